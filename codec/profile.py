@@ -1,0 +1,254 @@
+"""A per-model profile: what encoder and decoder both know, so chunks need not carry it.
+
+It holds, per (layer, K/V): the PCA mean and basis of the (un-rotated) channels, each
+component's standard deviation and the pooled shape of their distribution (for the entropy
+coder), the same statistics for CacheGen's anchor/delta configuration, the measured
+sensitivity of the model to errors there, and the steps that sensitivity implies.
+Calibrate once from sample KV, save as a safetensors file (no pickle), ship it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+import torch
+
+from . import anchor, quantize, rope
+from .entropy import ComponentModels, build_models
+from .errors import CodecError
+
+FORMAT = "kvstreamd-profile"
+FORMAT_VERSION = 1
+GRID_EXTENT = 24.0  # standard deviations covered by the shape CDF; beyond it, escapes
+GRID_POINTS = 769
+SHIPPED_DIR = Path(__file__).parent / "profiles"
+
+
+def grid() -> np.ndarray:
+    return np.linspace(-GRID_EXTENT, GRID_EXTENT, GRID_POINTS)
+
+
+@dataclass
+class Profile:
+    meta: dict
+    tensors: dict[str, np.ndarray]
+    _models: dict = field(default_factory=dict, repr=False)
+    _basis: dict = field(default_factory=dict, repr=False)
+    _id: bytes | None = field(default=None, repr=False)
+
+    # -- identity and shape -------------------------------------------------------------
+    @property
+    def id(self) -> bytes:
+        """16-byte content hash: a chunk names the exact profile it was coded with."""
+        if self._id is None:
+            self._id = hashlib.blake2b(self.to_bytes(), digest_size=16).digest()
+        return self._id
+
+    @property
+    def model_id(self) -> str:
+        return self.meta["model_id"]
+
+    @property
+    def layers(self) -> int:
+        return int(self.meta["num_layers"])
+
+    @property
+    def heads(self) -> int:
+        return int(self.meta["num_kv_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.meta["head_dim"])
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.meta["rope_theta"])
+
+    @property
+    def sink_tokens(self) -> int:
+        return int(self.meta["sink_tokens"])
+
+    @property
+    def group(self) -> int:
+        return int(self.meta["anchor_group"])
+
+    @property
+    def base_step(self) -> np.ndarray:
+        return self.tensors["base_step"]
+
+    def check_shape(self, layers: int, heads: int, head_dim: int) -> None:
+        if (layers, heads, head_dim) != (self.layers, self.heads, self.head_dim):
+            raise CodecError(
+                f"KV shape L={layers} H={heads} D={head_dim} does not match profile for "
+                f"{self.model_id} (L={self.layers} H={self.heads} D={self.head_dim})")
+
+    # -- what the coder uses -----------------------------------------------------------
+    def basis(self, layer: int, kv: int) -> torch.Tensor:
+        """Orthonormal [C, C] basis, columns by decreasing variance (stored fp16, re-
+        orthonormalised in float64 so encoder and decoder invert each other exactly)."""
+        key = (layer, kv)
+        if key not in self._basis:
+            b = torch.from_numpy(self.tensors["pca_basis"][layer, kv].astype(np.float64))
+            q, r = torch.linalg.qr(b)
+            q = q * torch.sign(torch.diagonal(r))[None, :]
+            self._basis[key] = q.to(torch.float32).contiguous()
+        return self._basis[key]
+
+    def models(self, kind: str, layer: int, kv: int, step: float) -> ComponentModels:
+        """Entropy models of one (layer, K/V) for kind 'pca' (step per stream), or 'anchor' /
+        'delta' (step as a multiple of each channel's standard deviation). Cached."""
+        key = (kind, layer, kv, float(step))
+        if key not in self._models:
+            sigma = self.tensors[f"{kind}_sigma"][layer, kv]
+            steps = step * (sigma if kind != "pca" else np.ones_like(sigma))
+            self._models[key] = build_models(sigma, steps, grid(), self.tensors[f"{kind}_cdf"][layer, kv])
+        return self._models[key]
+
+    # -- files --------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        meta = {"profile": json.dumps(self.meta, sort_keys=True)}
+        return safetensors.numpy.save(dict(sorted(self.tensors.items())), metadata=meta)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_bytes(self.to_bytes())
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def from_bytes(cls, data: bytes, origin: str = "<bytes>") -> "Profile":
+        try:
+            from safetensors import safe_open  # noqa: F401  (validates the container)
+            tensors = safetensors.numpy.load(data)
+            header_len = int.from_bytes(data[:8], "little")
+            meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["profile"])
+        except Exception as e:  # safetensors raises several types for a bad container
+            raise CodecError(f"{origin}: not a readable profile file ({e})") from None
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise CodecError(f"{origin}: profile format {meta.get('format')!r} v{meta.get('version')} "
+                             f"is not {FORMAT!r} v{FORMAT_VERSION}")
+        missing = [k for k in REQUIRED_TENSORS if k not in tensors]
+        if missing:
+            raise CodecError(f"{origin}: profile lacks tensors {missing}")
+        return cls(meta, tensors)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        return cls.from_bytes(path.read_bytes(), str(path))
+
+
+REQUIRED_TENSORS = ("pca_mean", "pca_basis", "pca_sigma", "pca_cdf", "chan_mean", "anchor_sigma",
+                    "anchor_cdf", "delta_sigma", "delta_cdf", "sensitivity", "base_step")
+
+
+# -- the registry decode() consults ----------------------------------------------------
+_registry: dict[bytes, Profile] = {}
+
+
+def register(profile: Profile) -> Profile:
+    _registry[profile.id] = profile
+    return profile
+
+
+def shipped() -> list[Profile]:
+    """The profiles that ship with kvstreamd (codec/profiles/*.kvprofile), registered."""
+    return [register(Profile.load(p)) for p in sorted(SHIPPED_DIR.glob("*.kvprofile"))]
+
+
+def find(profile_id: bytes) -> Profile:
+    if profile_id not in _registry:
+        shipped()
+    try:
+        return _registry[profile_id]
+    except KeyError:
+        raise CodecError(f"bitstream was coded with profile {profile_id.hex()}, which is not known here") from None
+
+
+def for_model(model_id: str) -> Profile:
+    """The shipped (or registered) profile for model_id."""
+    if not any(p.model_id == model_id for p in _registry.values()):
+        shipped()
+    for p in _registry.values():
+        if p.model_id == model_id:
+            return p
+    raise CodecError(f"no codec profile for model {model_id!r}; make one with `kvstreamd profile calibrate`")
+
+
+# -- calibration -------------------------------------------------------------------------
+def _pooled_cdf(u: torch.Tensor) -> np.ndarray:
+    """Empirical CDF of standardised values u (any shape) on the grid."""
+    flat = np.sort(u.reshape(-1).numpy().astype(np.float64))
+    return (np.searchsorted(flat, grid(), side="right") / max(flat.size, 1)).astype(np.float32)
+
+
+def _stream_rows(kv: torch.Tensor, start: int, layer: int, k_or_v: int, sink: int, theta: float,
+                 unrotate: bool) -> torch.Tensor:
+    """[T', C] float32 rows of one stream, the sink tokens dropped, keys optionally un-rotated."""
+    x = kv[layer, k_or_v].to(torch.float32)
+    skip = max(0, sink - start)
+    x = x[skip:]
+    if unrotate and k_or_v == 0:
+        x = rope.unrotate(x, start + skip, theta)
+    return x.reshape(x.shape[0], -1)
+
+
+def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: float,
+        sensitivity: np.ndarray, kl_budget: float = 1e-3, sink_tokens: int = 1, anchor_group: int = 10,
+        source: str = "") -> Profile:
+    """Calibrate a profile from sample KV tensors [L, 2, T, H, D] with their start positions.
+
+    sensitivity[l, kv]: KL per unit of per-element squared error in that stream (measured
+    with the model by kvstreamd.calibrate); it sets the base steps at kl_budget.
+    """
+    L, _, _, H, D = samples[0][0].shape
+    C = H * D
+    t = {k: np.zeros((L, 2, C), np.float32) for k in ("pca_mean", "pca_sigma", "chan_mean", "anchor_sigma", "delta_sigma")}
+    t["pca_basis"] = np.zeros((L, 2, C, C), np.float16)
+    for k in ("pca_cdf", "anchor_cdf", "delta_cdf"):
+        t[k] = np.zeros((L, 2, GRID_POINTS), np.float32)
+    for layer in range(L):
+        for kv in range(2):
+            # PCA over un-rotated channels, the sink excluded (it is kept exact and would
+            # dominate the covariance).
+            x = torch.cat([_stream_rows(s, st, layer, kv, sink_tokens, rope_theta, True) for s, st in samples])
+            mean = x.mean(0)
+            xc = (x - mean).to(torch.float64)
+            evals, evecs = torch.linalg.eigh(xc.T @ xc / xc.shape[0])
+            order = torch.argsort(evals, descending=True)
+            basis = evecs[:, order]
+            y = (xc @ basis).to(torch.float32)
+            sigma = y.std(0).clamp_min(1e-6)
+            t["pca_mean"][layer, kv] = mean.numpy()
+            t["pca_basis"][layer, kv] = basis.numpy().astype(np.float16)
+            t["pca_sigma"][layer, kv] = sigma.numpy()
+            t["pca_cdf"][layer, kv] = _pooled_cdf(y / sigma)
+
+            # CacheGen's configuration: raw channels, anchors and deltas against them.
+            raw = torch.cat([_stream_rows(s, st, layer, kv, 0, rope_theta, False) for s, st in samples])
+            cmean = raw.mean(0)
+            rc = raw - cmean
+            a = torch.cat([_stream_rows(s, st, layer, kv, 0, rope_theta, False)[anchor.anchor_rows(s.shape[2], anchor_group)]
+                           for s, st in samples]) - cmean
+            d = torch.cat([anchor.deltas(r := _stream_rows(s, st, layer, kv, 0, rope_theta, False),
+                                         r[anchor.anchor_rows(r.shape[0], anchor_group)], anchor_group)
+                           for s, st in samples])
+            asig, dsig = a.std(0).clamp_min(1e-6), d.std(0).clamp_min(1e-6)
+            del rc
+            t["chan_mean"][layer, kv] = cmean.numpy()
+            t["anchor_sigma"][layer, kv] = asig.numpy()
+            t["delta_sigma"][layer, kv] = dsig.numpy()
+            t["anchor_cdf"][layer, kv] = _pooled_cdf(a / asig)
+            t["delta_cdf"][layer, kv] = _pooled_cdf(d / dsig)
+    t["sensitivity"] = np.asarray(sensitivity, np.float32).reshape(L, 2)
+    t["base_step"] = quantize.equal_slope_steps(t["sensitivity"], kl_budget)
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "model_id": model_id, "num_layers": L,
+            "num_kv_heads": H, "head_dim": D, "rope_theta": rope_theta, "sink_tokens": sink_tokens,
+            "anchor_group": anchor_group, "kl_budget": kl_budget, "source": source,
+            "calibration_tokens": int(sum(s.shape[2] for s, _ in samples))}
+    return Profile(meta, t)
