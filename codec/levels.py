@@ -23,7 +23,9 @@ class Level:
     def steps(self, profile: Profile) -> np.ndarray:
         """[L, 2] float32: the quantization step of each (layer, K/V) stream."""
         if self.thirds is None:
-            return (profile.base_step * self.scale).astype(np.float32)
+            # A profile tuned on calibration text carries its own scale for each named level.
+            scale = profile.meta.get("level_scales", {}).get(self.name, self.scale)
+            return (profile.base_step * scale).astype(np.float32)
         L = profile.layers
         per_layer = np.array([self.thirds[min(3 * i // L, 2)] for i in range(L)], np.float32)
         return np.repeat(per_layer[:, None], 2, axis=1)

@@ -39,6 +39,7 @@ class Profile:
     _models: dict = field(default_factory=dict, repr=False)
     _basis: dict = field(default_factory=dict, repr=False)
     _id: bytes | None = field(default=None, repr=False)
+    path: Path | None = field(default=None, compare=False)  # where it was loaded from, if anywhere
 
     # -- identity and shape -------------------------------------------------------------
     @property
@@ -140,7 +141,9 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         path = Path(path)
-        return cls.from_bytes(path.read_bytes(), str(path))
+        prof = cls.from_bytes(path.read_bytes(), str(path))
+        prof.path = path
+        return prof
 
 
 REQUIRED_TENSORS = ("pca_mean", "pca_basis", "pca_sigma", "pca_cdf", "chan_mean", "anchor_sigma",

@@ -1,0 +1,125 @@
+"""Encode and decode a chunk's independent substreams across worker processes.
+
+constriction holds the GIL for a whole call, so threads do not help; processes do. Tensors
+and bitstreams cross to the workers through one shared-memory segment per call, so only
+names and indices travel over the pool's pipes.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+from . import bitstream as bs, cachegen, levels, profile as profiles
+from .profile import Profile
+
+
+def _init_worker(profile_paths: tuple[str, ...]) -> None:
+    torch.set_num_threads(1)
+    for p in profile_paths:
+        profiles.register(Profile.load(p))
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    # Workers spawned by multiprocessing share the parent's resource tracker, so attaching
+    # (which registers the name again) is harmless here and must not be undone: unregistering
+    # would drop the parent's own registration. Processes outside the pool are another matter.
+    return shared_memory.SharedMemory(name=name)
+
+
+def _decode_part(name: str, out_bytes: int, data_len: int, streams: list[int]) -> None:
+    shm = _attach(name)
+    try:
+        h, profile = cachegen.read(shm.buf[out_bytes:out_bytes + data_len])
+        out = torch.frombuffer(shm.buf, dtype=torch.float32, count=out_bytes // 4).view(h.shape)
+        for s in streams:
+            layer, k_or_v = divmod(s, 2)
+            out[layer, k_or_v, h.sink_tokens:] = cachegen.decode_stream(h, s, profile)
+        del out, h
+    finally:
+        shm.close()
+
+
+def _encode_part(name: str, shape: tuple, dtype_code: int, level: str, profile_id: bytes, start: int,
+                 sink_rows: int, streams: list[int]) -> list[bytes]:
+    shm = _attach(name)
+    try:
+        kv = torch.frombuffer(shm.buf, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
+        lv, profile = levels.get(level), profiles.find(profile_id)
+        steps = lv.steps(profile)
+        res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, lv.transforms, steps, lv.anchor_step,
+                                      start, sink_rows, profile) for s in streams]
+        del kv
+        return res
+    finally:
+        shm.close()
+
+
+class CodecPool:
+    """A pool of codec worker processes. `decode(data)` and `encode(kv, ...)` give the same
+    results as codec.decode / codec.encode, split across the workers by substream."""
+
+    def __init__(self, workers: int | None = None, profile_paths: tuple[str, ...] = ()):
+        self.workers = workers or os.cpu_count() or 1
+        self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+                                            initializer=_init_worker, initargs=(tuple(map(str, profile_paths)),))
+
+    def _split(self, n: int) -> list[list[int]]:
+        return [list(part) for part in np.array_split(np.arange(n), self.workers) if len(part)]
+
+    def decode(self, data: bytes | memoryview, profile: Profile | None = None) -> torch.Tensor:
+        h, profile = cachegen.read(data, profile)
+        out_bytes = int(np.prod(h.shape)) * 4
+        shm = shared_memory.SharedMemory(create=True, size=out_bytes + len(data))
+        try:
+            shm.buf[out_bytes:out_bytes + len(data)] = data
+            futures = [self._pool.submit(_decode_part, shm.name, out_bytes, len(data), part)
+                       for part in self._split(2 * h.layers)]
+            for f in futures:
+                f.result()
+            view = torch.frombuffer(shm.buf, dtype=torch.float32, count=out_bytes // 4).view(h.shape)
+            out = view.to(h.dtype, copy=True)
+            del view  # no tensor may outlive the mapping (reading it after close segfaults)
+            cachegen.fill_sink(h, out)
+            return out
+        finally:
+            shm.close()
+            shm.unlink()
+
+    def encode(self, kv: torch.Tensor, level: str = "balanced", profile: Profile | None = None, start: int = 0) -> bytes:
+        lv = levels.get(level)
+        if lv.name not in levels.LEVELS:
+            raise ValueError("the pool encodes named levels only")
+        if profile is None:
+            raise ValueError("encode needs the model's profile")
+        profile.check_shape(kv.shape[0], kv.shape[3], kv.shape[4])
+        kv = kv.contiguous()
+        raw = kv.view(torch.uint8).reshape(-1).numpy()
+        shm = shared_memory.SharedMemory(create=True, size=max(raw.nbytes, 1))
+        try:
+            np.frombuffer(shm.buf, np.uint8, count=raw.nbytes)[:] = raw
+            L, _, T, H, D = kv.shape
+            ns = cachegen._sink_rows(start, profile.sink_tokens, T, lv.transforms)  # noqa: SLF001
+            futures = [self._pool.submit(_encode_part, shm.name, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
+                                         lv.name, profile.id, start, ns, part) for part in self._split(2 * L)]
+            subs = [s for f in futures for s in f.result()]
+        finally:
+            shm.close()
+            shm.unlink()
+        sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
+        header = bs.Header(lv.transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
+                           ns, lv.steps(profile), lv.anchor_step, memoryview(sink), subs)
+        return bs.pack(header)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "CodecPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

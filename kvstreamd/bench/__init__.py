@@ -1,0 +1,1 @@
+"""Benchmarks: each writes JSON and prints the table that docs/benchmarks.md carries."""

@@ -1,0 +1,180 @@
+"""`kvstreamd bench codec`: size, quality and speed of every scheme on real KV caches of the
+real model, on WikiText-2 test.txt contexts taken from well-separated parts of the file.
+
+Quality is measured by running continuation tokens on top of the decompressed cache and
+comparing with the exact cache: perplexity, KL of next-token distributions, top-1 agreement.
+Speeds are per core (one process, one thread) and with all cores (a CodecPool).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import codec
+from codec import baselines, profile as profiles
+from codec.parallel import CodecPool
+
+from .. import corpus, models, quality
+
+SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:high", "cachegen:balanced",
+           "cachegen:fast"]
+
+
+class _Ours:
+    def __init__(self, level: str, profile, pool: CodecPool | None):
+        self.level, self.profile, self.pool = level, profile, pool
+
+    def encode(self, kv, start):
+        return codec.encode(kv, self.level, self.profile, start=start)
+
+    def decode(self, data):
+        return codec.decode(data, self.profile)
+
+
+class _Baseline:
+    def __init__(self, scheme):
+        self.scheme, self.pool = scheme, None
+
+    def encode(self, kv, start):
+        return self.scheme.encode(kv)
+
+    def decode(self, data):
+        return self.scheme.decode(data)
+
+
+def _coder(name: str, profile, pool):
+    if name in baselines.SCHEMES:
+        return _Baseline(baselines.SCHEMES[name])
+    return _Ours(name.split(":", 1)[-1], profile, pool)
+
+
+def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_tokens: int = 1024,
+        schemes: list[str] | None = None, json_path: str | None = None, plot_path: str | None = None,
+        log=print) -> dict:
+    schemes = schemes or SCHEMES
+    lm = models.load()
+    profile = profiles.for_model(lm.model_id)
+    cases = []
+    for i, w in enumerate(corpus.windows(lm.tokenizer, "test", contexts, tokens + continuation + 1)):
+        log(f"prefill test context {i + 1}/{contexts} ({tokens} tokens)")
+        _, kv = models.prefill(lm, w[:tokens], all_logits=False)
+        cont = w[tokens:]
+        ref = models.continuation_logits(lm, kv, cont[:-1])
+        cases.append((kv.to(torch.float16), cont, ref))
+    exact_ppl = statistics.mean(quality.perplexity(ref, torch.tensor(cont[1:])) for _, cont, ref in cases)
+
+    results = []
+    workers = os.cpu_count() or 1
+    with CodecPool(workers) as pool:
+        for name in schemes:
+            coder = _coder(name, profile, pool)
+            nbytes = elements = 0
+            enc_rates, dec_rates, pool_enc, pool_dec = [], [], [], []
+            ppls, kls, top1 = [], [], []
+            for kv, cont, ref in cases:
+                parts = []
+                for start in range(0, kv.shape[2], chunk_tokens):
+                    chunk = kv[:, :, start:start + chunk_tokens].contiguous()
+                    mb = chunk.numel() * 2 / 1e6
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)  # per-core figures
+                    try:
+                        t0 = time.perf_counter()
+                        data = coder.encode(chunk, start)
+                        t1 = time.perf_counter()
+                        dec = coder.decode(data)
+                        t2 = time.perf_counter()
+                    finally:
+                        torch.set_num_threads(threads)
+                    enc_rates.append(mb / (t1 - t0))
+                    dec_rates.append(mb / (t2 - t1))
+                    if isinstance(coder, _Ours):
+                        t0 = time.perf_counter()
+                        data2 = pool.encode(chunk, coder.level, profile, start=start)
+                        t1 = time.perf_counter()
+                        dec2 = pool.decode(data2, profile)
+                        t2 = time.perf_counter()
+                        if data2 != data or not torch.equal(dec2, dec):
+                            raise AssertionError(f"{name}: the pool's result differs from the single-process codec")
+                        pool_enc.append(mb / (t1 - t0))
+                        pool_dec.append(mb / (t2 - t1))
+                    if not torch.isfinite(dec).all() or dec.shape != chunk.shape:
+                        raise AssertionError(f"{name} decoded a wrong tensor")
+                    nbytes += len(data)
+                    elements += chunk.numel()
+                    parts.append(dec)
+                logits = models.continuation_logits(lm, torch.cat(parts, 2), cont[:-1])
+                ppls.append(quality.perplexity(logits, torch.tensor(cont[1:])))
+                kls.append(quality.kl(ref, logits))
+                top1.append(quality.top1_agreement(ref, logits))
+            bits = nbytes * 8 / elements
+            ppl = statistics.mean(ppls)
+            r = {"scheme": name, "bits_per_element": round(bits, 4), "ratio_vs_fp16": round(16 / bits, 3),
+                 "ratio_vs_int8": round(8.0 * (1 + 2 / 192 / 8 * 8) / bits, 3) if False else None,
+                 "ppl": round(ppl, 4), "ppl_delta_pct": round(100 * (ppl / exact_ppl - 1), 3),
+                 "top1_agreement": round(statistics.mean(top1), 4), "kl": round(statistics.mean(kls), 6),
+                 "encode_MBps": round(statistics.median(enc_rates), 1),
+                 "decode_MBps": round(statistics.median(dec_rates), 1),
+                 "encode_MBps_all_cores": round(statistics.median(pool_enc), 1) if pool_enc else None,
+                 "decode_MBps_all_cores": round(statistics.median(pool_dec), 1) if pool_dec else None}
+            results.append(r)
+            log(f"  {name:18s} {bits:6.3f} bits/elem  x{16 / bits:5.2f}  dppl {r['ppl_delta_pct']:+.3f}%  "
+                f"KL {r['kl']:.5f}  top1 {r['top1_agreement']:.4f}  dec {r['decode_MBps']} MB/s")
+    int8_bits = next((r["bits_per_element"] for r in results if r["scheme"] == "int8"), None)
+    for r in results:
+        r["ratio_vs_int8"] = round(int8_bits / r["bits_per_element"], 3) if int8_bits else None
+    report = {"model": lm.model_id, "tokens": tokens, "contexts": contexts, "continuation": continuation,
+              "chunk_tokens": chunk_tokens, "exact_ppl": round(exact_ppl, 4), "workers": workers,
+              "results": results}
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2))
+    if plot_path:
+        plot(report, plot_path)
+    return report
+
+
+def table(report: dict) -> str:
+    head = ("| scheme | bits/elem | x fp16 | x int8 | ppl | Δppl | top-1 | KL | enc MB/s/core | dec MB/s/core "
+            "| enc MB/s all cores | dec MB/s all cores |")
+    rows = [head, "|" + "---|" * 12]
+    for r in report["results"]:
+        rows.append(f"| {r['scheme']} | {r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f} | "
+                    f"{r['ratio_vs_int8']:.2f} | {r['ppl']:.3f} | {r['ppl_delta_pct']:+.2f}% | "
+                    f"{r['top1_agreement']:.4f} | {r['kl']:.5f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} | "
+                    f"{r['encode_MBps_all_cores'] or '-'} | {r['decode_MBps_all_cores'] or '-'} |")
+    return "\n".join(rows)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in report["results"]:
+        kl = max(r["kl"], 1e-6)
+        ours = r["scheme"].startswith("cachegen:")
+        ax.scatter(r["bits_per_element"], kl, marker="o" if ours else "s", s=50,
+                   color="tab:blue" if ours else "tab:gray")
+        ax.annotate(r["scheme"], (r["bits_per_element"], kl), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ours = sorted((r for r in report["results"] if r["scheme"].startswith("cachegen:")),
+                  key=lambda r: r["bits_per_element"])
+    ax.plot([r["bits_per_element"] for r in ours], [max(r["kl"], 1e-6) for r in ours], color="tab:blue", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per KV element (everything the bitstream carries)")
+    ax.set_ylabel("KL divergence vs exact cache (next token)")
+    ax.set_title(f"{report['model']}: rate vs quality, {report['contexts']} x {report['tokens']} tokens, "
+                 f"WikiText-2 test", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,106 @@
+"""Make a codec profile for a model: PCA bases and symbol statistics from sample KV, the
+model's sensitivity to errors in each (layer, K/V) stream, and the step scale of each level,
+all measured on calibration text (WikiText-2 valid.txt) -- never on the text we report on."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+
+import codec
+from codec import profile as profiles
+from codec.levels import LADDER, LEVELS
+
+from . import corpus, models, quality
+
+# What each level aims for on calibration text: the KL divergence of next-token distributions.
+LEVEL_KL_TARGETS = {"high": 0.0008, "balanced": 0.0025, "fast": 0.009}
+
+
+def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = 1024) -> tuple[torch.Tensor, int]:
+    """Encode and decode kv chunk by chunk as the daemon stores it; returns (decoded, bytes)."""
+    parts, nbytes = [], 0
+    for start in range(0, kv.shape[2], chunk_tokens):
+        data = codec.encode(kv[:, :, start:start + chunk_tokens], level, profile, start=start)
+        nbytes += len(data)
+        parts.append(codec.decode(data, profile))
+    return torch.cat(parts, dim=2), nbytes
+
+
+def measure_sensitivity(lm, cases: list[tuple[torch.Tensor, list[int], torch.Tensor]], sink_tokens: int,
+                        log: Callable[[str], None] = print) -> np.ndarray:
+    """KL per unit of per-element squared error, for each (layer, K/V) stream perturbed alone
+    with Gaussian noise (the sink rows untouched, as the codec keeps them exact)."""
+    L = cases[0][0].shape[0]
+    out = np.zeros((L, 2))
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(L):
+        for k_or_v in range(2):
+            ratios = []
+            for kv, cont, ref in cases:
+                stream = kv[layer, k_or_v, sink_tokens:]
+                eps = 0.03 * float(stream.std())
+                for _ in range(5):
+                    noisy = kv.clone()
+                    noisy[layer, k_or_v, sink_tokens:] += torch.randn(stream.shape, generator=gen) * eps
+                    d = quality.kl(ref, models.continuation_logits(lm, noisy, cont))
+                    if d > 5e-3:
+                        eps /= 3  # out of the quadratic regime
+                    elif d < 2e-5:
+                        eps *= 3  # below the numerical floor
+                    else:
+                        break
+                ratios.append(d / eps ** 2)
+            out[layer, k_or_v] = float(np.mean(ratios))
+        log(f"  layer {layer:2d}: K {out[layer, 0]:.3g}  V {out[layer, 1]:.3g}  (KL per unit MSE)")
+    return out
+
+
+def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[str, float]:
+    """For each level, the scale on the base steps whose KL on the calibration cases meets its
+    target (KL grows about as scale^2, so a few secant steps in log space converge)."""
+    scales = {}
+    for name in LADDER:
+        target = LEVEL_KL_TARGETS[name]
+        scale = math.sqrt(target / float(profile.meta["kl_budget"]))
+        for _ in range(4):
+            lv = codec.Level(name, LEVELS[name].code, LEVELS[name].transforms, scale=scale)
+            kls, bits = [], []
+            for kv, cont, ref in cases:
+                dec, nbytes = chunked_roundtrip(kv, lv, profile)
+                kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
+                bits.append(nbytes * 8 / kv.numel())
+            got = float(np.mean(kls))
+            log(f"  {name:9s} scale {scale:6.3f}: KL {got:.5f}  {np.mean(bits):.3f} bits/element")
+            if abs(math.log(got / target)) < 0.1:
+                break
+            scale *= math.sqrt(target / got) ** 0.8  # damped: the curve flattens at low rates
+        scales[name] = round(scale, 4)
+    return scales
+
+
+def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048, sensitivity_contexts: int = 2,
+              sensitivity_tokens: int = 1024, continuation: int = 128, sink_tokens: int = 1,
+              log: Callable[[str], None] = print) -> profiles.Profile:
+    windows = corpus.windows(lm.tokenizer, split, contexts, tokens + continuation)
+    samples, cases = [], []
+    for i, w in enumerate(windows):
+        log(f"prefill calibration context {i + 1}/{len(windows)} ({tokens} tokens)")
+        _, kv = models.prefill(lm, w[:tokens], all_logits=False)
+        samples.append((kv, 0))
+        if i < sensitivity_contexts:
+            kvs = kv[:, :, :sensitivity_tokens].clone()
+            cont = w[sensitivity_tokens:sensitivity_tokens + continuation]
+            cases.append((kvs, cont, models.continuation_logits(lm, kvs, cont)))
+    log("measuring sensitivity of each (layer, K/V) stream")
+    sens = measure_sensitivity(lm, cases, sink_tokens, log)
+    log("fitting PCA bases and symbol statistics")
+    prof = profiles.fit(samples, model_id=lm.model_id, rope_theta=lm.rope_theta, sensitivity=sens,
+                        sink_tokens=sink_tokens,
+                        source=f"wikitext-2 {split}.txt, {contexts} x {tokens} tokens")
+    log("tuning level scales")
+    prof.meta["level_scales"] = tune_levels(lm, prof, cases, log)
+    prof._id = None
+    return prof

@@ -1,0 +1,74 @@
+"""The `kvstreamd` command: benchmarks and profile calibration (the daemon's commands join
+as they are built)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _bench_codec(args: argparse.Namespace) -> int:
+    from .bench import codec as bench
+
+    report = bench.run(tokens=args.tokens, contexts=args.contexts, continuation=args.continuation,
+                       chunk_tokens=args.chunk_tokens, schemes=args.schemes, json_path=args.json,
+                       plot_path=args.plot)
+    print()
+    print(f"{report['model']}: {report['contexts']} x {report['tokens']}-token WikiText-2 test contexts, "
+          f"{report['continuation']} continuation tokens, exact-cache ppl {report['exact_ppl']:.3f}")
+    print(bench.table(report))
+    if args.json:
+        print(f"\nJSON written to {args.json}")
+    return 0
+
+
+def _profile_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import calibrate, models
+
+    torch.manual_seed(0)
+    lm = models.load()
+    prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(out)
+    print(f"profile {prof.id.hex()} for {prof.model_id} written to {out}")
+    print("level scales:", prof.meta["level_scales"])
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstreamd", description="Move LLM KV caches between hosts.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="benchmarks that write JSON and print tables")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    bc = bsub.add_parser("codec", help="size, quality and speed of every codec scheme on the real model")
+    bc.add_argument("--tokens", type=int, default=3072)
+    bc.add_argument("--contexts", type=int, default=3)
+    bc.add_argument("--continuation", type=int, default=256)
+    bc.add_argument("--chunk-tokens", type=int, default=1024)
+    bc.add_argument("--schemes", nargs="+", default=None, help="default: all")
+    bc.add_argument("--json", default="bench-out/codec.json")
+    bc.add_argument("--plot", default="bench-out/codec_rate_quality.png")
+    bc.set_defaults(func=_bench_codec)
+
+    prof = sub.add_parser("profile", help="codec profiles")
+    psub = prof.add_subparsers(dest="profile", required=True)
+    cal = psub.add_parser("calibrate", help="make a codec profile from calibration text with the real model")
+    cal.add_argument("--out", required=True)
+    cal.add_argument("--split", default="valid", help="WikiText-2 split to calibrate on (never test)")
+    cal.add_argument("--contexts", type=int, default=4)
+    cal.add_argument("--tokens", type=int, default=2048)
+    cal.set_defaults(func=_profile_calibrate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

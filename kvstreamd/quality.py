@@ -1,0 +1,27 @@
+"""How much a decompressed KV cache changes what the model predicts: perplexity, KL
+divergence of next-token distributions and top-1 agreement against the exact cache."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Mean negative log-likelihood of targets [N] under logits [N, vocab]."""
+    return float(torch.nn.functional.cross_entropy(logits.float(), targets.long()))
+
+
+def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return math.exp(nll(logits, targets))
+
+
+def kl(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || test) of the next-token distributions."""
+    p = torch.log_softmax(reference.float(), -1)
+    q = torch.log_softmax(test.float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def top1_agreement(reference: torch.Tensor, test: torch.Tensor) -> float:
+    return float((reference.argmax(-1) == test.argmax(-1)).float().mean())

@@ -1,0 +1,42 @@
+"""Shared fixtures: a small synthetic codec profile (fast, for property tests) and the real
+model, loaded once per session."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from codec import profile as profiles
+
+SMALL = dict(layers=3, heads=2, head_dim=8)
+
+
+def synthetic_kv(tokens: int, seed: int = 0, layers=SMALL["layers"], heads=SMALL["heads"],
+                 head_dim=SMALL["head_dim"]) -> torch.Tensor:
+    """KV-like data: channels of very different scales, keys with a per-channel offset."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-1.5, 0.7, heads * head_dim).view(heads, head_dim)
+    kv = torch.randn(layers, 2, tokens, heads, head_dim, generator=g) * scale
+    kv[:, 0] += torch.linspace(-2, 2, heads * head_dim).view(heads, head_dim)
+    return kv
+
+
+@pytest.fixture(scope="session")
+def small_profile(tmp_path_factory) -> profiles.Profile:
+    samples = [(synthetic_kv(400, seed=1), 0), (synthetic_kv(300, seed=2), 400)]
+    sens = np.linspace(0.5, 2.0, SMALL["layers"] * 2).reshape(SMALL["layers"], 2)
+    prof = profiles.fit(samples, model_id="synthetic-test-model", rope_theta=10000.0, sensitivity=sens,
+                        kl_budget=1e-2)
+    path = tmp_path_factory.mktemp("profile") / "synthetic.kvprofile"
+    prof.save(path)
+    prof = profiles.Profile.load(path)
+    profiles.register(prof)
+    return prof
+
+
+@pytest.fixture(scope="session")
+def lm():
+    from kvstreamd import models
+
+    torch.set_num_threads(2)
+    return models.load()
