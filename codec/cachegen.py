@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import anchor, bitstream as bs, entropy, levels, profile as profiles, rope
+from . import anchor, bitstream as bs, entropy, levels, pca, profile as profiles, rope
 from .errors import CodecError
 from .profile import Profile
 from .quantize import dequantize, quantize
@@ -60,38 +60,40 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
         return entropy.encode_blocks([(a_sym, profile.models("anchor", layer, k_or_v, anchor_step)),
                                       (d_sym, profile.models("delta", layer, k_or_v, step))])
     if transforms & bs.PCA:
-        mean = torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v])
-        x = (x - mean) @ profile.basis(layer, k_or_v)
+        x = pca.forward(x, torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v))
     sym = quantize(x, torch.tensor(step))
     return entropy.encode_blocks([(sym, profile.models("pca", layer, k_or_v, step))])
 
 
-def decode_stream(h: bs.Header, s: int, profile: Profile) -> torch.Tensor:
-    """Substream s -> [T - sink, H, D] float32."""
+def decode_stream_into(h: bs.Header, s: int, profile: Profile, out: torch.Tensor) -> None:
+    """Substream s -> out [T - sink, H, D] (a view into the chunk's tensor, any float dtype).
+    The work happens in a small float32 buffer that stays in cache; out gets one converting copy."""
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        work = torch.empty(out.shape, dtype=torch.float32)
+        decode_stream_into(h, s, profile, work)
+        out.copy_(work)
+        return
     layer, k_or_v = divmod(s, 2)
     n = h.tokens - h.sink_tokens
     step = float(h.steps[layer, k_or_v])
     data = h.substreams[s]
+    flat = out.view(n, h.heads * h.head_dim)
     if h.transforms & bs.DELTA:
         rows_a = len(anchor.anchor_rows(n, h.group))
-        a_sym, d_sym = entropy.decode_blocks(data, [(rows_a, profile.models("anchor", layer, k_or_v, h.anchor_step)),
-                                                    (n - rows_a, profile.models("delta", layer, k_or_v, step))])
-        a_hat = dequantize(a_sym, torch.from_numpy(profile.tensors["anchor_sigma"][layer, k_or_v]) * h.anchor_step)
-        d_hat = dequantize(d_sym, torch.from_numpy(profile.tensors["delta_sigma"][layer, k_or_v]) * step)
-        x = anchor.merge(a_hat, d_hat, n, h.group) + torch.from_numpy(profile.tensors["chan_mean"][layer, k_or_v])
+        (a_sym, _), (d_sym, _) = entropy.decode_blocks(data, [(rows_a, profile.models("anchor", layer, k_or_v, h.anchor_step)),
+                                                              (n - rows_a, profile.models("delta", layer, k_or_v, step))])
+        a_hat = dequantize(a_sym.T, torch.from_numpy(profile.tensors["anchor_sigma"][layer, k_or_v]) * h.anchor_step)
+        d_hat = dequantize(d_sym.T, torch.from_numpy(profile.tensors["delta_sigma"][layer, k_or_v]) * step)
+        flat.copy_(anchor.merge(a_hat, d_hat, n, h.group) + torch.from_numpy(profile.tensors["chan_mean"][layer, k_or_v]))
     else:
-        (sym,) = entropy.decode_blocks(data, [(n, profile.models("pca", layer, k_or_v, step))])
+        ((sym, _),) = entropy.decode_blocks(data, [(n, profile.models("pca", layer, k_or_v, step))])
         if h.transforms & bs.PCA:
-            coded = np.flatnonzero(sym.any(axis=0))
-            basis = profile.basis(layer, k_or_v)
-            y = dequantize(np.ascontiguousarray(sym[:, coded]), torch.tensor(step))
-            x = y @ basis[:, torch.from_numpy(coded)].T + torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v])
+            pca.inverse_into(flat, torch.from_numpy(sym).to(torch.float32), step,
+                             torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v))
         else:
-            x = dequantize(sym, torch.tensor(step))
-    x = x.reshape(n, h.heads, h.head_dim)
+            flat.copy_(dequantize(sym.T, torch.tensor(step)))
     if h.transforms & bs.UNROTATE_KEYS and k_or_v == 0:
-        x = rope.rerotate(x, h.start + h.sink_tokens, profile.rope_theta)
-    return x
+        out.copy_(rope.rerotate(out, h.start + h.sink_tokens, profile.rope_theta))
 
 
 def read(data: bytes | memoryview, profile: Profile | None = None) -> tuple[bs.Header, Profile]:
@@ -118,9 +120,9 @@ def decode(data: bytes | memoryview, profile: Profile | None = None) -> torch.Te
 
     Raises CodecError for damaged, truncated, foreign or mismatched input."""
     h, profile = read(data, profile)
-    out = torch.empty(h.shape, dtype=torch.float32)
+    out = torch.empty(h.shape, dtype=h.dtype)
     for s in range(2 * h.layers):
         layer, k_or_v = divmod(s, 2)
-        out[layer, k_or_v, h.sink_tokens:] = decode_stream(h, s, profile)
+        decode_stream_into(h, s, profile, out[layer, k_or_v, h.sink_tokens:])
     fill_sink(h, out)
-    return out.to(h.dtype)
+    return out

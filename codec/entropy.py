@@ -20,6 +20,14 @@ from .errors import CodecError
 
 MAX_HALF_ALPHABET = 1023  # symbols -M..M plus one escape; wider ranges escape
 PROB_FLOOR = 1e-7  # every symbol, the escape included, stays encodable
+# The modelled range ends where the shape's two tails hold this much mass: the rare symbol
+# beyond costs 32 raw bits, while every extra symbol in the alphabet slows each decode
+# (constriction's categorical searches its CDF).
+TAIL_MASS = 1e-4
+# Components with alphabets this small are coded two tokens per ANS symbol (the product
+# distribution, so the rate is the same): decode cost grows with log(alphabet), so one
+# search over A^2 symbols is cheaper than two over A.
+PAIR_MAX_ALPHABET = 16
 
 
 @dataclass
@@ -28,6 +36,7 @@ class ComponentModels:
 
     categoricals: list
     half: np.ndarray  # M per component: symbols -M..M map to 0..2M, 2M+1 is the escape
+    pairs: list  # the pair model of each component, or None where its alphabet is too large
 
     def __len__(self) -> int:
         return len(self.categoricals)
@@ -40,9 +49,11 @@ def build_models(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray, cdf: np.
     """
     sigma = np.maximum(np.asarray(sigma, dtype=np.float64), 1e-12)
     ratio = np.broadcast_to(np.asarray(step, dtype=np.float64), sigma.shape) / sigma
-    extent = float(grid[-1])
+    tails = np.interp(-grid, grid, cdf) + (1.0 - cdf)  # mass beyond |u| for u on the grid
+    inside = grid[(grid >= 0) & (tails <= TAIL_MASS)]
+    extent = float(inside[0]) if inside.size else float(grid[-1])
     halves = np.clip(np.ceil(extent / ratio), 1, MAX_HALF_ALPHABET).astype(np.int64)
-    cats = []
+    cats, pairs = [], []
     for r, m in zip(ratio, halves):
         edges = (np.arange(-m, m + 2, dtype=np.float64) - 0.5) * r
         f = np.interp(edges, grid, cdf, left=0.0, right=1.0)
@@ -52,7 +63,14 @@ def build_models(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray, cdf: np.
         probs = np.maximum(probs, 0.0) + PROB_FLOOR
         probs /= probs.sum()
         cats.append(constriction.stream.model.Categorical(probs.astype(np.float32), perfect=False))
-    return ComponentModels(cats, halves.astype(np.int32))
+        if probs.size <= PAIR_MAX_ALPHABET:
+            # Radix 16 whatever the alphabet, so pairs split with shifts, for a whole block at once.
+            joint = np.zeros((PAIR_MAX_ALPHABET, PAIR_MAX_ALPHABET))
+            joint[:probs.size, :probs.size] = np.outer(probs, probs)
+            pairs.append(constriction.stream.model.Categorical(joint.reshape(-1).astype(np.float32), perfect=False))
+        else:
+            pairs.append(None)
+    return ComponentModels(cats, halves.astype(np.int32), pairs)
 
 
 def _escapes(column: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,7 +89,7 @@ def encode_blocks(blocks: list[tuple[np.ndarray, ComponentModels]]) -> bytes:
     Layout: bitmap of coded components (all blocks, in order), u32 escape count, the
     escaped values as int32, then the ANS words.
     """
-    columns = []  # (symbols, categorical, half) of coded components, in decode order
+    columns = []  # (symbols, models, component) of coded components, in decode order
     flags = []
     for symbols, models in blocks:
         if symbols.shape[1] != len(models):
@@ -79,21 +97,31 @@ def encode_blocks(blocks: list[tuple[np.ndarray, ComponentModels]]) -> bytes:
         coded = np.any(symbols != 0, axis=0) if symbols.shape[0] else np.zeros(symbols.shape[1], bool)
         flags.append(coded)
         for c in np.flatnonzero(coded):
-            columns.append((np.ascontiguousarray(symbols[:, c]), models.categoricals[c], int(models.half[c])))
+            columns.append((np.ascontiguousarray(symbols[:, c]), models, c))
     bitmap = np.packbits(np.concatenate(flags) if flags else np.zeros(0, bool), bitorder="little")
 
-    indexed = [_escapes(col, half) for col, _, half in columns]
+    indexed = [_escapes(col, int(models.half[c])) for col, models, c in columns]
     escaped = np.concatenate([e for _, e in indexed]).astype("<i4") if indexed else np.zeros(0, "<i4")
     coder = constriction.stream.stack.AnsCoder()
-    # ANS is a stack: encode the last component first so decoding runs in order.
-    for (idx, _), (_, cat, _) in zip(reversed(indexed), reversed(columns)):
-        coder.encode_reverse(idx, cat)
+    # ANS is a stack: encode the last component first, and within a component its odd last
+    # token before its pairs, so that decoding runs forwards.
+    for (idx, _), (_, models, c) in zip(reversed(indexed), reversed(columns)):
+        pair = models.pairs[c]
+        if pair is None:
+            coder.encode_reverse(idx, models.categoricals[c])
+            continue
+        n2 = idx.size // 2
+        if idx.size % 2:
+            coder.encode_reverse(idx[-1:], models.categoricals[c])
+        if n2:
+            coder.encode_reverse(idx[0:2 * n2:2] * PAIR_MAX_ALPHABET + idx[1:2 * n2:2], pair)
     words = coder.get_compressed().astype("<u4")
     return bitmap.tobytes() + struct.pack("<I", escaped.size) + escaped.tobytes() + words.tobytes()
 
 
-def decode_blocks(data: bytes | memoryview, blocks: list[tuple[int, ComponentModels]]) -> list[np.ndarray]:
-    """Inverse of encode_blocks. blocks: (rows N_b, models). Returns the symbol matrices."""
+def decode_blocks(data: bytes | memoryview, blocks: list[tuple[int, ComponentModels]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Inverse of encode_blocks. blocks: (rows N_b, models). Returns, per block, the symbols
+    component-major [C_b, N_b] and the mask of components that were coded."""
     data = memoryview(data)
     n_comp = sum(len(m) for _, m in blocks)
     nbitmap = (n_comp + 7) // 8
@@ -116,24 +144,43 @@ def decode_blocks(data: bytes | memoryview, blocks: list[tuple[int, ComponentMod
 
     out = []
     start = 0
-    esc_used = 0
     for rows, models in blocks:
         coded = coded_all[start:start + len(models)]
         start += len(models)
-        symbols = np.zeros((rows, len(models)), dtype=np.int32)
+        # Component-major so each decode fills a contiguous row; offsets and escapes are then
+        # handled for the whole block at once.
+        symbols = np.zeros((len(models), rows), dtype=np.int32)
+        n2 = rows // 2
+        paired = np.zeros((len(models), n2), dtype=np.int32)
+        is_paired = np.zeros(len(models), dtype=bool)
         for c in np.flatnonzero(coded):
-            half = int(models.half[c])
-            idx = coder.decode(models.categoricals[c], rows)
-            col = idx - half
-            esc = idx == 2 * half + 1
-            if esc.any():
-                k = int(esc.sum())
-                if esc_used + k > escaped.size:
-                    raise CodecError("substream decodes more escaped symbols than it carries")
-                col[esc] = escaped[esc_used:esc_used + k]
-                esc_used += k
-            symbols[:, c] = col
-        out.append(symbols)
-    if esc_used != escaped.size or not coder.is_empty():
+            pair = models.pairs[c]
+            if pair is None:
+                symbols[c] = coder.decode(models.categoricals[c], rows)
+                continue
+            is_paired[c] = True
+            if n2:
+                paired[c] = coder.decode(pair, n2)
+            if rows % 2:
+                symbols[c, -1] = coder.decode(models.categoricals[c], 1)[0]
+        if n2 and is_paired.any():
+            rows_p = np.flatnonzero(is_paired)
+            p = paired[rows_p]
+            symbols[rows_p, 0:2 * n2:2] = p >> 4
+            symbols[rows_p, 1:2 * n2:2] = p & (PAIR_MAX_ALPHABET - 1)
+        half = models.half[:, None]
+        esc = (symbols == 2 * half + 1) & coded[:, None]
+        symbols -= half * coded[:, None]
+        out.append((symbols, coded, esc))
+    n_esc_found = sum(int(e.sum()) for _, _, e in out)
+    if n_esc_found != escaped.size or not coder.is_empty():
         raise CodecError("substream did not decode to its exact end (damaged or mismatched profile)")
-    return out
+    result = []
+    for symbols, coded, esc in out:
+        if n_esc_found:
+            # Escaped values were written in decode order: component by component.
+            k = int(esc.sum())
+            symbols[esc] = escaped[:k]
+            escaped = escaped[k:]
+        result.append((symbols, coded))
+    return result

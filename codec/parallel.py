@@ -35,10 +35,10 @@ def _decode_part(name: str, out_bytes: int, data_len: int, streams: list[int]) -
     shm = _attach(name)
     try:
         h, profile = cachegen.read(shm.buf[out_bytes:out_bytes + data_len])
-        out = torch.frombuffer(shm.buf, dtype=torch.float32, count=out_bytes // 4).view(h.shape)
+        out = torch.frombuffer(shm.buf, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
         for s in streams:
             layer, k_or_v = divmod(s, 2)
-            out[layer, k_or_v, h.sink_tokens:] = cachegen.decode_stream(h, s, profile)
+            cachegen.decode_stream_into(h, s, profile, out[layer, k_or_v, h.sink_tokens:])
         del out, h
     finally:
         shm.close()
@@ -73,7 +73,7 @@ class CodecPool:
 
     def decode(self, data: bytes | memoryview, profile: Profile | None = None) -> torch.Tensor:
         h, profile = cachegen.read(data, profile)
-        out_bytes = int(np.prod(h.shape)) * 4
+        out_bytes = int(np.prod(h.shape)) * h.dtype.itemsize
         shm = shared_memory.SharedMemory(create=True, size=out_bytes + len(data))
         try:
             shm.buf[out_bytes:out_bytes + len(data)] = data
@@ -81,8 +81,8 @@ class CodecPool:
                        for part in self._split(2 * h.layers)]
             for f in futures:
                 f.result()
-            view = torch.frombuffer(shm.buf, dtype=torch.float32, count=out_bytes // 4).view(h.shape)
-            out = view.to(h.dtype, copy=True)
+            view = torch.frombuffer(shm.buf, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
+            out = view.clone()
             del view  # no tensor may outlive the mapping (reading it after close segfaults)
             cachegen.fill_sink(h, out)
             return out

@@ -17,7 +17,7 @@ import numpy as np
 import safetensors.numpy
 import torch
 
-from . import anchor, quantize, rope
+from . import anchor, pca, quantize, rope
 from .entropy import ComponentModels, build_models
 from .errors import CodecError
 
@@ -89,13 +89,13 @@ class Profile:
 
     # -- what the coder uses -----------------------------------------------------------
     def basis(self, layer: int, kv: int) -> torch.Tensor:
-        """Orthonormal [C, C] basis, columns by decreasing variance (stored fp16, re-
-        orthonormalised in float64 so encoder and decoder invert each other exactly)."""
+        """Orthonormal bases [blocks, b, b] of one stream (stored fp16, re-orthonormalised in
+        float64 so the encoder's rotation and the decoder's inverse match exactly)."""
         key = (layer, kv)
         if key not in self._basis:
             b = torch.from_numpy(self.tensors["pca_basis"][layer, kv].astype(np.float64))
             q, r = torch.linalg.qr(b)
-            q = q * torch.sign(torch.diagonal(r))[None, :]
+            q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
             self._basis[key] = q.to(torch.float32).contiguous()
         return self._basis[key]
 
@@ -203,7 +203,7 @@ def _stream_rows(kv: torch.Tensor, start: int, layer: int, k_or_v: int, sink: in
 
 def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: float,
         sensitivity: np.ndarray, kl_budget: float = 1e-3, sink_tokens: int = 1, anchor_group: int = 10,
-        source: str = "") -> Profile:
+        pca_block: int | None = None, source: str = "") -> Profile:
     """Calibrate a profile from sample KV tensors [L, 2, T, H, D] with their start positions.
 
     sensitivity[l, kv]: KL per unit of per-element squared error in that stream (measured
@@ -211,8 +211,11 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
     """
     L, _, _, H, D = samples[0][0].shape
     C = H * D
+    # One rotation over all heads' channels by default: on SmolLM2 it takes ~13% fewer bits
+    # at equal KL than one rotation per head (docs/benchmarks.md), for a larger profile.
+    block = pca_block or C
     t = {k: np.zeros((L, 2, C), np.float32) for k in ("pca_mean", "pca_sigma", "chan_mean", "anchor_sigma", "delta_sigma")}
-    t["pca_basis"] = np.zeros((L, 2, C, C), np.float16)
+    t["pca_basis"] = np.zeros((L, 2, C // block, block, block), np.float16)
     for k in ("pca_cdf", "anchor_cdf", "delta_cdf"):
         t[k] = np.zeros((L, 2, GRID_POINTS), np.float32)
     for layer in range(L):
@@ -220,12 +223,8 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
             # PCA over un-rotated channels, the sink excluded (it is kept exact and would
             # dominate the covariance).
             x = torch.cat([_stream_rows(s, st, layer, kv, sink_tokens, rope_theta, True) for s, st in samples])
-            mean = x.mean(0)
-            xc = (x - mean).to(torch.float64)
-            evals, evecs = torch.linalg.eigh(xc.T @ xc / xc.shape[0])
-            order = torch.argsort(evals, descending=True)
-            basis = evecs[:, order]
-            y = (xc @ basis).to(torch.float32)
+            mean, basis = pca.fit(x, block)
+            y = pca.forward(x, mean, basis.to(torch.float32))
             sigma = y.std(0).clamp_min(1e-6)
             t["pca_mean"][layer, kv] = mean.numpy()
             t["pca_basis"][layer, kv] = basis.numpy().astype(np.float16)
@@ -235,14 +234,12 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
             # CacheGen's configuration: raw channels, anchors and deltas against them.
             raw = torch.cat([_stream_rows(s, st, layer, kv, 0, rope_theta, False) for s, st in samples])
             cmean = raw.mean(0)
-            rc = raw - cmean
             a = torch.cat([_stream_rows(s, st, layer, kv, 0, rope_theta, False)[anchor.anchor_rows(s.shape[2], anchor_group)]
                            for s, st in samples]) - cmean
             d = torch.cat([anchor.deltas(r := _stream_rows(s, st, layer, kv, 0, rope_theta, False),
                                          r[anchor.anchor_rows(r.shape[0], anchor_group)], anchor_group)
                            for s, st in samples])
             asig, dsig = a.std(0).clamp_min(1e-6), d.std(0).clamp_min(1e-6)
-            del rc
             t["chan_mean"][layer, kv] = cmean.numpy()
             t["anchor_sigma"][layer, kv] = asig.numpy()
             t["delta_sigma"][layer, kv] = dsig.numpy()

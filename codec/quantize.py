@@ -12,7 +12,7 @@ def quantize(y: torch.Tensor, step: torch.Tensor) -> np.ndarray:
 
 
 def dequantize(symbols: np.ndarray, step: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(symbols).to(torch.float32) * step
+    return torch.from_numpy(symbols).to(torch.float32, memory_format=torch.contiguous_format) * step
 
 
 def equal_slope_steps(sensitivity: np.ndarray, kl_budget: float) -> np.ndarray:

@@ -83,7 +83,8 @@ def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
 
 def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048, sensitivity_contexts: int = 2,
               sensitivity_tokens: int = 1024, continuation: int = 128, sink_tokens: int = 1,
-              log: Callable[[str], None] = print) -> profiles.Profile:
+              sensitivity: np.ndarray | None = None, log: Callable[[str], None] = print) -> profiles.Profile:
+    """The whole calibration. `sensitivity` reuses an earlier measurement (the slow part)."""
     windows = corpus.windows(lm.tokenizer, split, contexts, tokens + continuation)
     samples, cases = [], []
     for i, w in enumerate(windows):
@@ -94,10 +95,11 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
             kvs = kv[:, :, :sensitivity_tokens].clone()
             cont = w[sensitivity_tokens:sensitivity_tokens + continuation]
             cases.append((kvs, cont, models.continuation_logits(lm, kvs, cont)))
-    log("measuring sensitivity of each (layer, K/V) stream")
-    sens = measure_sensitivity(lm, cases, sink_tokens, log)
+    if sensitivity is None:
+        log("measuring sensitivity of each (layer, K/V) stream")
+        sensitivity = measure_sensitivity(lm, cases, sink_tokens, log)
     log("fitting PCA bases and symbol statistics")
-    prof = profiles.fit(samples, model_id=lm.model_id, rope_theta=lm.rope_theta, sensitivity=sens,
+    prof = profiles.fit(samples, model_id=lm.model_id, rope_theta=lm.rope_theta, sensitivity=sensitivity,
                         sink_tokens=sink_tokens,
                         source=f"wikitext-2 {split}.txt, {contexts} x {tokens} tokens")
     log("tuning level scales")

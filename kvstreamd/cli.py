@@ -28,8 +28,11 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     from . import calibrate, models
 
     torch.manual_seed(0)
+    from codec import Profile
+
     lm = models.load()
-    prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens)
+    sens = Profile.load(args.sensitivity_from).tensors["sensitivity"] if args.sensitivity_from else None
+    prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens, sensitivity=sens)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
@@ -61,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--split", default="valid", help="WikiText-2 split to calibrate on (never test)")
     cal.add_argument("--contexts", type=int, default=4)
     cal.add_argument("--tokens", type=int, default=2048)
+    cal.add_argument("--sensitivity-from", metavar="PROFILE",
+                     help="reuse the sensitivity measured for an earlier profile of the same model")
     cal.set_defaults(func=_profile_calibrate)
     return p
 
