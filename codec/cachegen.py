@@ -61,7 +61,9 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
                                       (d_sym, profile.models("delta", layer, k_or_v, step))])
     if transforms & bs.PCA:
         x = pca.forward(x, torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v))
-    sym = quantize(x, torch.tensor(step))
+        sym = quantize(x, profile.component_steps(layer, k_or_v, step))
+    else:
+        sym = quantize(x, torch.tensor(step))
     return entropy.encode_blocks([(sym, profile.models("pca", layer, k_or_v, step))])
 
 
@@ -88,7 +90,7 @@ def decode_stream_into(h: bs.Header, s: int, profile: Profile, out: torch.Tensor
     else:
         ((sym, _),) = entropy.decode_blocks(data, [(n, profile.models("pca", layer, k_or_v, step))])
         if h.transforms & bs.PCA:
-            pca.inverse_into(flat, torch.from_numpy(sym).to(torch.float32), step,
+            pca.inverse_into(flat, torch.from_numpy(sym).to(torch.float32), profile.component_steps(layer, k_or_v, step),
                              torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v))
         else:
             flat.copy_(dequantize(sym.T, torch.tensor(step)))

@@ -33,16 +33,16 @@ def inverse(y: torch.Tensor, mean: torch.Tensor, bases: torch.Tensor) -> torch.T
     return torch.bmm(yb, bases.transpose(1, 2)).transpose(0, 1).reshape(y.shape[0], nb * b) + mean
 
 
-def inverse_into(out: torch.Tensor, symbols: torch.Tensor, step: float, mean: torch.Tensor,
+def inverse_into(out: torch.Tensor, symbols: torch.Tensor, steps: torch.Tensor, mean: torch.Tensor,
                  bases: torch.Tensor) -> None:
-    """out [T, C] = dequantized component-major symbols [C, T], rotated back, plus the mean.
+    """out [T, C] = component-major symbols [C, T] times their steps [C], rotated back, plus the mean.
 
     The decoder's hot path: step and the transpose fold into one GEMM per block, written
     straight into the destination."""
     nb, b, _ = bases.shape
     if nb == 1:
-        torch.addmm(mean, symbols.T, bases[0].T * step, out=out)
+        torch.addmm(mean, symbols.T, bases[0].T * steps[:, None], out=out)
         return
     for i in range(nb):
         blk = slice(i * b, (i + 1) * b)
-        out[:, blk] = torch.addmm(mean[blk], symbols[blk].T, bases[i].T * step)
+        out[:, blk] = torch.addmm(mean[blk], symbols[blk].T, bases[i].T * steps[blk, None])

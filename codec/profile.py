@@ -81,6 +81,10 @@ class Profile:
     def base_step(self) -> np.ndarray:
         return self.tensors["base_step"]
 
+    def component_steps(self, layer: int, kv: int, step: float) -> torch.Tensor:
+        """[C] float32: the step of each PCA component of a stream whose header step is `step`."""
+        return torch.from_numpy(self.tensors["pca_step_scale"][layer, kv].astype(np.float64) * step).to(torch.float32)
+
     def check_shape(self, layers: int, heads: int, head_dim: int) -> None:
         if (layers, heads, head_dim) != (self.layers, self.heads, self.head_dim):
             raise CodecError(
@@ -105,7 +109,7 @@ class Profile:
         key = (kind, layer, kv, float(step))
         if key not in self._models:
             sigma = self.tensors[f"{kind}_sigma"][layer, kv]
-            steps = step * (sigma if kind != "pca" else np.ones_like(sigma))
+            steps = step * (sigma if kind != "pca" else self.tensors["pca_step_scale"][layer, kv].astype(np.float64))
             self._models[key] = build_models(sigma, steps, grid(), self.tensors[f"{kind}_cdf"][layer, kv])
         return self._models[key]
 
@@ -146,8 +150,10 @@ class Profile:
         return prof
 
 
-REQUIRED_TENSORS = ("pca_mean", "pca_basis", "pca_sigma", "pca_cdf", "chan_mean", "anchor_sigma",
-                    "anchor_cdf", "delta_sigma", "delta_cdf", "sensitivity", "base_step")
+REQUIRED_TENSORS = ("pca_mean", "pca_basis", "pca_sigma", "pca_cdf", "pca_step_scale", "channel_weight",
+                    "chan_mean", "anchor_sigma", "anchor_cdf", "delta_sigma", "delta_cdf", "sensitivity",
+                    "base_step")
+STEP_SCALE_RANGE = (1 / 8, 8.0)
 
 
 # -- the registry decode() consults ----------------------------------------------------
@@ -202,12 +208,16 @@ def _stream_rows(kv: torch.Tensor, start: int, layer: int, k_or_v: int, sink: in
 
 
 def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: float,
-        sensitivity: np.ndarray, kl_budget: float = 1e-3, sink_tokens: int = 1, anchor_group: int = 10,
-        pca_block: int | None = None, source: str = "") -> Profile:
+        sensitivity: np.ndarray, channel_weight: np.ndarray | None = None, kl_budget: float = 1e-3,
+        sink_tokens: int = 1, anchor_group: int = 10, pca_block: int | None = None, source: str = "") -> Profile:
     """Calibrate a profile from sample KV tensors [L, 2, T, H, D] with their start positions.
 
     sensitivity[l, kv]: KL per unit of per-element squared error in that stream (measured
     with the model by kvstreamd.calibrate); it sets the base steps at kl_budget.
+    channel_weight[l, kv, c]: how much an error in channel c counts relative to the stream's
+    other channels (for keys, the queries' energy in that rotary pair; for values, the output
+    projection's column norms). Components get steps by equal slope within the stream:
+    step_c ~ 1/sqrt(weight_c), the weight of a component being sum_i basis_ic^2 weight_i.
     """
     L, _, _, H, D = samples[0][0].shape
     C = H * D
@@ -216,6 +226,9 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
     block = pca_block or C
     t = {k: np.zeros((L, 2, C), np.float32) for k in ("pca_mean", "pca_sigma", "chan_mean", "anchor_sigma", "delta_sigma")}
     t["pca_basis"] = np.zeros((L, 2, C // block, block, block), np.float16)
+    cw = np.ones((L, 2, C)) if channel_weight is None else np.asarray(channel_weight, np.float64).reshape(L, 2, C)
+    t["channel_weight"] = (cw / cw.mean(-1, keepdims=True)).astype(np.float32)
+    t["pca_step_scale"] = np.ones((L, 2, C), np.float32)
     for k in ("pca_cdf", "anchor_cdf", "delta_cdf"):
         t[k] = np.zeros((L, 2, GRID_POINTS), np.float32)
     for layer in range(L):
@@ -224,6 +237,10 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
             # dominate the covariance).
             x = torch.cat([_stream_rows(s, st, layer, kv, sink_tokens, rope_theta, True) for s, st in samples])
             mean, basis = pca.fit(x, block)
+            b16 = basis.to(torch.float16).to(torch.float64)  # what the file will hold
+            wc = torch.cat([(b16[i] ** 2).T @ torch.from_numpy(t["channel_weight"][layer, kv][i * block:(i + 1) * block]).double()
+                            for i in range(C // block)])
+            t["pca_step_scale"][layer, kv] = torch.sqrt(wc.mean() / wc.clamp_min(1e-12)).clamp(*STEP_SCALE_RANGE).numpy()
             y = pca.forward(x, mean, basis.to(torch.float32))
             sigma = y.std(0).clamp_min(1e-6)
             t["pca_mean"][layer, kv] = mean.numpy()

@@ -3,6 +3,7 @@ model's sensitivity to errors in each (layer, K/V) stream, and the step scale of
 all measured on calibration text (WikiText-2 valid.txt) -- never on the text we report on."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -16,7 +17,7 @@ from codec.levels import LADDER, LEVELS
 from . import corpus, models, quality
 
 # What each level aims for on calibration text: the KL divergence of next-token distributions.
-LEVEL_KL_TARGETS = {"high": 0.0008, "balanced": 0.0025, "fast": 0.009}
+LEVEL_KL_TARGETS = {"high": 0.0008, "balanced": 0.0028, "fast": 0.014}
 
 
 def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = 1024) -> tuple[torch.Tensor, int]:
@@ -58,6 +59,49 @@ def measure_sensitivity(lm, cases: list[tuple[torch.Tensor, list[int], torch.Ten
     return out
 
 
+def channel_weights(lm, windows: list[list[int]], sink_tokens: int) -> np.ndarray:
+    """[L, 2, H*D]: how much an error in each key or value channel matters, relative to the
+    other channels of its stream.
+
+    Keys: a key error e changes the logit of query q by q.R(n-m)e; averaged over relative
+    positions the rotation spreads each rotary pair evenly, so the weight of channel i is the
+    mean energy of the un-rotated queries (q_proj's output, before RoPE) in i's pair, over the
+    query heads that share the KV head. Values: an error passes through the attention weights
+    (which sum to one) and o_proj, so the weight is o_proj's squared column norm, summed over
+    the query heads that read the KV head.
+    """
+    layers = lm.model.model.layers
+    H, D = lm.num_kv_heads, lm.head_dim
+    group = layers[0].self_attn.q_proj.out_features // (H * D)
+    energy = [torch.zeros(group * H * D, dtype=torch.float64) for _ in layers]
+    count = [0]
+
+    def hook(i):
+        def record(_module, _inputs, out):
+            q = out[0, sink_tokens:].to(torch.float64)
+            energy[i] += (q ** 2).sum(0)
+            if i == 0:
+                count[0] += q.shape[0]
+        return record
+
+    handles = [layer.self_attn.q_proj.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        for w in windows:
+            models.prefill(lm, w, all_logits=False)
+    finally:
+        for h in handles:
+            h.remove()
+    out = np.zeros((len(layers), 2, H * D))
+    half = D // 2
+    for i, layer in enumerate(layers):
+        q = (energy[i] / max(count[0], 1)).view(H, group, D).sum(1)  # kv head h serves query heads h*group..
+        pair = q[:, :half] + q[:, half:]
+        out[i, 0] = torch.cat([pair, pair], dim=1).reshape(-1).numpy()
+        cols = layer.self_attn.o_proj.weight.detach().to(torch.float64).pow(2).sum(0)  # [heads * D]
+        out[i, 1] = cols.view(H, group, D).sum(1).reshape(-1).numpy()
+    return out
+
+
 def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[str, float]:
     """For each level, the scale on the base steps whose KL on the calibration cases meets its
     target (KL grows about as scale^2, so a few secant steps in log space converge)."""
@@ -66,7 +110,8 @@ def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
         target = LEVEL_KL_TARGETS[name]
         scale = math.sqrt(target / float(profile.meta["kl_budget"]))
         for _ in range(4):
-            lv = codec.Level(name, LEVELS[name].code, LEVELS[name].transforms, scale=scale)
+            # Another name, so the scale under test is not overridden by the profile's table.
+            lv = dataclasses.replace(LEVELS[name], name=f"{name}-tuning", scale=scale)
             kls, bits = [], []
             for kv, cont, ref in cases:
                 dec, nbytes = chunked_roundtrip(kv, lv, profile)
@@ -98,8 +143,11 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     if sensitivity is None:
         log("measuring sensitivity of each (layer, K/V) stream")
         sensitivity = measure_sensitivity(lm, cases, sink_tokens, log)
+    log("measuring channel weights (query energy per rotary pair, o_proj column norms)")
+    weights = channel_weights(lm, [w[:tokens] for w in windows[:2]], sink_tokens)
     log("fitting PCA bases and symbol statistics")
     prof = profiles.fit(samples, model_id=lm.model_id, rope_theta=lm.rope_theta, sensitivity=sensitivity,
+                        channel_weight=weights,
                         sink_tokens=sink_tokens,
                         source=f"wikitext-2 {split}.txt, {contexts} x {tokens} tokens")
     log("tuning level scales")
