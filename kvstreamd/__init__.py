@@ -1,0 +1,2 @@
+"""kvstreamd: the daemon that stores, advertises, streams and hands over compressed KV caches,
+and the model adapters, calibration and benchmarks around the codec."""

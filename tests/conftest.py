@@ -25,8 +25,10 @@ def synthetic_kv(tokens: int, seed: int = 0, layers=SMALL["layers"], heads=SMALL
 def small_profile(tmp_path_factory) -> profiles.Profile:
     samples = [(synthetic_kv(400, seed=1), 0), (synthetic_kv(300, seed=2), 400)]
     sens = np.linspace(0.5, 2.0, SMALL["layers"] * 2).reshape(SMALL["layers"], 2)
+    C = SMALL["heads"] * SMALL["head_dim"]
+    weights = np.random.default_rng(0).uniform(0.1, 10.0, (SMALL["layers"], 2, C))  # uneven component steps
     prof = profiles.fit(samples, model_id="synthetic-test-model", rope_theta=10000.0, sensitivity=sens,
-                        kl_budget=1e-2)
+                        channel_weight=weights, kl_budget=1e-2)
     path = tmp_path_factory.mktemp("profile") / "synthetic.kvprofile"
     prof.save(path)
     prof = profiles.Profile.load(path)

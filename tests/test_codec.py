@@ -2,7 +2,6 @@
 follow from the quantizer, exact sink rows, escapes, and a clear CodecError for bad input."""
 from __future__ import annotations
 
-import math
 import os
 import struct
 import zlib
@@ -40,11 +39,11 @@ def test_roundtrip_error_is_bounded_by_the_quantizer(small_profile, tokens, star
     out = codec.decode(data)
     assert out.shape == kv.shape and out.dtype == dtype
     steps = levels.get(level).steps(small_profile)
-    C = SMALL["heads"] * SMALL["head_dim"]
     err = (out.float() - kv.float()).flatten(3)  # [L, 2, T, C]
     # Rounding each PCA component to its step moves a token's vector by at most
-    # sqrt(C) * step / 2; the rotations are orthonormal, so that holds in channel space too.
-    bound = torch.from_numpy(steps).view(-1, 2, 1) * math.sqrt(C) / 2
+    # sqrt(sum of (step_c / 2)^2); the rotations are orthonormal, so that holds in channel space too.
+    bound = torch.tensor([[float(small_profile.component_steps(l, k, float(steps[l, k])).pow(2).sum().sqrt()) / 2
+                           for k in range(2)] for l in range(SMALL["layers"])]).view(-1, 2, 1)
     mag = kv.float().flatten(3).norm(dim=-1)
     assert torch.all(err.norm(dim=-1) <= bound * 1.001 + mag * 2 * _dtype_eps(dtype) + 1e-5)
 

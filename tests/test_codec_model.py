@@ -1,0 +1,118 @@
+"""The codec on real KV caches of the real model (SmolLM2-135M): the shipped profile fits the
+model, every level keeps the model's predictions close at the size it promises, the pool
+gives the same bytes, and calibration makes a working profile from scratch."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import codec
+from codec import profile as profiles
+from codec.parallel import CodecPool
+from kvstreamd import calibrate, corpus, models, quality
+
+CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def case(lm):
+    w = corpus.windows(lm.tokenizer, "test", 1, 700)[0]
+    _, kv = models.prefill(lm, w[:600], all_logits=False)
+    cont = w[600:]
+    return kv.to(torch.float16), cont, models.continuation_logits(lm, kv, cont)
+
+
+@pytest.fixture(scope="module")
+def shipped(lm):
+    return profiles.for_model(lm.model_id)
+
+
+def roundtrip(kv, level, profile):
+    parts, nbytes = [], 0
+    for start in range(0, kv.shape[2], CHUNK):
+        data = codec.encode(kv[:, :, start:start + CHUNK], level, profile, start=start)
+        nbytes += len(data)
+        parts.append(codec.decode(data))
+    return torch.cat(parts, 2), nbytes * 8 / kv.numel()
+
+
+def test_shipped_profile_matches_the_model(lm, shipped):
+    assert shipped.model_id == lm.model_id
+    assert (shipped.layers, shipped.heads, shipped.head_dim) == (lm.num_layers, lm.num_kv_heads, lm.head_dim)
+    assert set(shipped.meta["level_scales"]) == {"high", "balanced", "fast"}
+    assert "valid.txt" in shipped.meta["source"]  # never calibrated on the text we report on
+
+
+@pytest.mark.parametrize("level,max_bits,max_kl", [("high", 4.0, 0.004), ("balanced", 3.0, 0.01),
+                                                    ("fast", 1.9, 0.05)])
+def test_each_level_keeps_predictions_close_at_its_size(lm, case, shipped, level, max_bits, max_kl):
+    kv, cont, ref = case
+    dec, bits = roundtrip(kv, level, shipped)
+    assert dec.dtype == kv.dtype and dec.shape == kv.shape
+    assert torch.equal(dec[:, :, 0], kv[:, :, 0])  # the attention sink is exact
+    logits = models.continuation_logits(lm, dec, cont)
+    assert bits < max_bits
+    assert quality.kl(ref, logits) < max_kl
+    assert quality.top1_agreement(ref, logits) > 0.85
+
+
+def test_levels_are_ordered_by_size_and_quality(lm, case, shipped):
+    kv, cont, ref = case
+    sizes, kls = [], []
+    for level in codec.LADDER:
+        dec, bits = roundtrip(kv, level, shipped)
+        sizes.append(bits)
+        kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
+    assert sizes[0] > sizes[1] > sizes[2]
+    assert kls[0] < kls[2]
+
+
+def test_generation_from_a_high_level_cache_matches_the_exact_cache(lm, case, shipped):
+    kv, cont, _ = case
+    dec, _ = roundtrip(kv, "high", shipped)
+    assert models.generate_greedy(lm, dec, cont[:1], 6) == models.generate_greedy(lm, kv, cont[:1], 6)
+
+
+def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
+    kv = case[0][:, :, :CHUNK].contiguous()
+    with CodecPool(2) as pool:
+        data = codec.encode(kv, "balanced", shipped, start=0)
+        assert pool.encode(kv, "balanced", shipped, start=0) == data
+        assert torch.equal(pool.decode(data), codec.decode(data))
+
+
+def test_calibration_makes_a_working_profile(lm, tmp_path):
+    prof = calibrate.calibrate(lm, contexts=2, tokens=320, sensitivity_contexts=1, sensitivity_tokens=256,
+                               continuation=48, log=lambda _msg: None)
+    path = prof.save(tmp_path / "small.kvprofile")
+    loaded = codec.Profile.load(path)
+    assert loaded.id == prof.id
+    assert (loaded.tensors["sensitivity"] > 0).all()
+    w = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
+    _, kv = models.prefill(lm, w, all_logits=False)
+    out = codec.decode(codec.encode(kv, "balanced", loaded))
+    assert (out - kv).abs().mean() < 0.2 * kv.abs().mean()
+
+
+def test_bench_codec_command_writes_its_json(tmp_path):
+    out = tmp_path / "codec.json"
+    proc = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "bench", "codec", "--tokens", "384",
+                           "--contexts", "1", "--continuation", "32", "--chunk-tokens", "256",
+                           "--schemes", "fp16", "int8", "cachegen:fast", "--json", str(out),
+                           "--plot", str(tmp_path / "plot.png")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 384 and report["contexts"] == 1
+    by = {r["scheme"]: r for r in report["results"]}
+    assert set(by) == {"fp16", "int8", "cachegen:fast"}
+    for r in by.values():
+        assert set(r) >= {"scheme", "bits_per_element", "ratio_vs_fp16", "ratio_vs_int8", "ppl", "ppl_delta_pct",
+                          "top1_agreement", "kl", "encode_MBps", "decode_MBps"}
+    assert by["fp16"]["kl"] < 1e-4 and by["cachegen:fast"]["ratio_vs_fp16"] > 8
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    assert "cachegen:fast" in proc.stdout
