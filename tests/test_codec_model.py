@@ -71,10 +71,17 @@ def test_levels_are_ordered_by_size_and_quality(lm, case, shipped):
     assert kls[0] < kls[2]
 
 
-def test_generation_from_a_high_level_cache_matches_the_exact_cache(lm, case, shipped):
-    kv, cont, _ = case
-    dec, _ = roundtrip(kv, "high", shipped)
-    assert models.generate_greedy(lm, dec, cont[:1], 6) == models.generate_greedy(lm, kv, cont[:1], 6)
+@pytest.mark.parametrize("level", ["high", "balanced"])
+def test_no_confident_prediction_flips(lm, case, shipped, level):
+    # WikiText is full of near-ties (greedy runs part ways on them), so the property is about
+    # the predictions the exact cache is sure of: a top-1/top-2 margin above one nat.
+    kv, cont, ref = case
+    dec, _ = roundtrip(kv, level, shipped)
+    logits = models.continuation_logits(lm, dec, cont)
+    top2 = ref.topk(2, dim=-1).values
+    sure = (top2[:, 0] - top2[:, 1]) > 1.0
+    assert sure.sum() > 20
+    assert torch.equal(logits[sure].argmax(-1), ref[sure].argmax(-1))
 
 
 def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
@@ -94,7 +101,7 @@ def test_calibration_makes_a_working_profile(lm, tmp_path):
     assert (loaded.tensors["sensitivity"] > 0).all()
     w = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
     _, kv = models.prefill(lm, w, all_logits=False)
-    out = codec.decode(codec.encode(kv, "balanced", loaded))
+    out = codec.decode(codec.encode(kv, "balanced", loaded), loaded)
     assert (out - kv).abs().mean() < 0.2 * kv.abs().mean()
 
 
