@@ -98,6 +98,20 @@ def decode_stream_into(h: bs.Header, s: int, profile: Profile, out: torch.Tensor
         out.copy_(rope.rerotate(out, h.start + h.sink_tokens, profile.rope_theta))
 
 
+def warm(profile: Profile, level: str | levels.Level) -> None:
+    """Build every entropy model that coding at `level` uses, ahead of the first chunk."""
+    lv = levels.get(level)
+    steps = lv.steps(profile)
+    for layer in range(profile.layers):
+        for k_or_v in range(2):
+            step = float(steps[layer, k_or_v])
+            if lv.transforms & bs.DELTA:
+                profile.models("anchor", layer, k_or_v, lv.anchor_step)
+                profile.models("delta", layer, k_or_v, step)
+            else:
+                profile.models("pca", layer, k_or_v, step)
+
+
 def read(data: bytes | memoryview, profile: Profile | None = None) -> tuple[bs.Header, Profile]:
     """Validate a bitstream and find its profile (the one given, or the registry's)."""
     h = bs.unpack(data)

@@ -18,10 +18,14 @@ from . import bitstream as bs, cachegen, levels, profile as profiles
 from .profile import Profile
 
 
-def _init_worker(profile_paths: tuple[str, ...]) -> None:
+def _init_worker(profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
-    for p in profile_paths:
-        profiles.register(Profile.load(p))
+    known = [profiles.register(Profile.load(p)) for p in profile_paths] + profiles.shipped()
+    # Any worker may get any substream, so each builds all models up front rather than
+    # stalling the first chunks that reach it.
+    for prof in known:
+        for level in warm_levels:
+            cachegen.warm(prof, level)
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -63,32 +67,49 @@ class CodecPool:
     """A pool of codec worker processes. `decode(data)` and `encode(kv, ...)` give the same
     results as codec.decode / codec.encode, split across the workers by substream."""
 
-    def __init__(self, workers: int | None = None, profile_paths: tuple[str, ...] = ()):
+    def __init__(self, workers: int | None = None, profile_paths: tuple[str, ...] = (),
+                 warm_levels: tuple[str, ...] = levels.LADDER):
         self.workers = workers or os.cpu_count() or 1
-        self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
-                                            initializer=_init_worker, initargs=(tuple(map(str, profile_paths)),))
+        self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                            initargs=(tuple(map(str, profile_paths)), tuple(warm_levels)))
+        # Start the workers now (spawn + warm-up take seconds), not inside the first request.
+        cf.wait([self._pool.submit(os.getpid) for _ in range(self.workers)])
 
     def _split(self, n: int) -> list[list[int]]:
         return [list(part) for part in np.array_split(np.arange(n), self.workers) if len(part)]
 
     def decode(self, data: bytes | memoryview, profile: Profile | None = None) -> torch.Tensor:
-        h, profile = cachegen.read(data, profile)
-        out_bytes = int(np.prod(h.shape)) * h.dtype.itemsize
-        shm = shared_memory.SharedMemory(create=True, size=out_bytes + len(data))
+        return self.decode_many([data], profile)[0]
+
+    def decode_many(self, chunks: list[bytes | memoryview], profile: Profile | None = None) -> list[torch.Tensor]:
+        """Decode several chunks at once: every worker stays busy across chunk boundaries,
+        which is how a fetch's decode stage sees them. Validation happens before any work."""
+        headers = [cachegen.read(data, profile)[0] for data in chunks]
+        segments, futures = [], []
         try:
-            shm.buf[out_bytes:out_bytes + len(data)] = data
-            futures = [self._pool.submit(_decode_part, shm.name, out_bytes, len(data), part)
-                       for part in self._split(2 * h.layers)]
-            for f in futures:
-                f.result()
-            view = torch.frombuffer(shm.buf, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
-            out = view.clone()
-            del view  # no tensor may outlive the mapping (reading it after close segfaults)
-            cachegen.fill_sink(h, out)
-            return out
+            for data, h in zip(chunks, headers):
+                out_bytes = int(np.prod(h.shape)) * h.dtype.itemsize
+                shm = shared_memory.SharedMemory(create=True, size=out_bytes + len(data))
+                segments.append((shm, out_bytes))
+                shm.buf[out_bytes:out_bytes + len(data)] = data
+                futures.append([self._pool.submit(_decode_part, shm.name, out_bytes, len(data), part)
+                                for part in self._split(2 * h.layers)])
+            results = []
+            for (shm, out_bytes), h, parts in zip(segments, headers, futures):
+                for f in parts:
+                    f.result()
+                view = torch.frombuffer(shm.buf, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
+                out = view.clone()
+                del view  # no tensor may outlive the mapping (reading it after close segfaults)
+                cachegen.fill_sink(h, out)
+                results.append(out)
+            return results
         finally:
-            shm.close()
-            shm.unlink()
+            for parts in futures:  # a failed chunk: let the others finish before unmapping
+                cf.wait(parts)
+            for shm, _ in segments:
+                shm.close()
+                shm.unlink()
 
     def encode(self, kv: torch.Tensor, level: str = "balanced", profile: Profile | None = None, start: int = 0) -> bytes:
         lv = levels.get(level)
