@@ -161,12 +161,14 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in report["results"]:
-        kl = max(r["kl"], 1e-6)
+    for i, r in enumerate(report["results"]):
+        kl = max(r["kl"], 1e-6)  # lossless schemes sit on the floor of the log axis
         ours = r["scheme"].startswith("cachegen:")
         ax.scatter(r["bits_per_element"], kl, marker="o" if ours else "s", s=50,
                    color="tab:blue" if ours else "tab:gray")
-        ax.annotate(r["scheme"], (r["bits_per_element"], kl), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        label = r["scheme"] + (" (lossless)" if r["kl"] < 1e-6 else "")
+        ax.annotate(label, (r["bits_per_element"], kl), textcoords="offset points",
+                    xytext=(-40 if i % 2 else 5, 10 if i % 2 else 4), fontsize=8)
     ours = sorted((r for r in report["results"] if r["scheme"].startswith("cachegen:")),
                   key=lambda r: r["bits_per_element"])
     ax.plot([r["bits_per_element"] for r in ours], [max(r["kl"], 1e-6) for r in ours], color="tab:blue", lw=1)
