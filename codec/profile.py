@@ -128,7 +128,6 @@ class Profile:
     @classmethod
     def from_bytes(cls, data: bytes, origin: str = "<bytes>") -> "Profile":
         try:
-            from safetensors import safe_open  # noqa: F401  (validates the container)
             tensors = safetensors.numpy.load(data)
             header_len = int.from_bytes(data[:8], "little")
             meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["profile"])
