@@ -9,6 +9,8 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	# iproute2 (ip, tc) builds the shaped test links; present on these machines, installed if not.
+	command -v tc >/dev/null || (apt-get update -q && apt-get install -y -q iproute2)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: this version's CPU build is on the machine's disk; anything else downloads GBs.
