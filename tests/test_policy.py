@@ -1,0 +1,329 @@
+"""Streaming without a network, as a specification: the bandwidth estimator's arithmetic, both
+level-choice rules on exact situations and on seeded traces, and the sans-IO stream sender."""
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+
+from transport import traces
+from transport.bandwidth import BandwidthEstimator, PeerBandwidth, Probe
+from transport.policy import DPPL, TEXT, Choice, Situation, adaptive_rule, cachegen_rule
+from transport.sender import StreamSender
+
+MB = 1e6
+PAPER_LADDER = ("high", "balanced", "fast", TEXT)  # CacheGen's own levels, without int8
+
+
+def mbit(rate: float) -> float:
+    """Mbit/s -> bytes/s."""
+    return rate * 1e6 / 8
+
+
+def situation(chunks: int, bandwidth: float, deadline_s: float, ladder=None, **kw) -> Situation:
+    sizes, work = traces.smollm2_chunks(chunks)
+    if ladder is not None:
+        sizes = {lv: sizes[lv] for lv in ladder}
+    return Situation(bandwidth=bandwidth, sizes=sizes, work_s=work, dppl=DPPL, deadline_s=deadline_s, **kw)
+
+
+def fixed(levels):
+    """A rule that sends the given levels in order, whatever happens."""
+    return lambda s: Choice(levels[len(levels) - s.chunks], 0.0, "fixed")
+
+
+# --- bandwidth estimation -------------------------------------------------------------------
+
+def test_estimate_is_the_harmonic_mean_of_the_last_window_of_samples():
+    est = BandwidthEstimator(window=3)
+    for rate in (1 * MB, 10 * MB, 20 * MB, 40 * MB):  # one MB each, so the time is 1/rate
+        est.add(1_000_000, 5.0, 5.0 + 1_000_000 / rate)
+    assert est.samples == pytest.approx((10 * MB, 20 * MB, 40 * MB))
+    assert est.estimate() == pytest.approx(3 / (1 / (10 * MB) + 1 / (20 * MB) + 1 / (40 * MB)))
+
+
+def test_a_slow_chunk_pulls_the_estimate_down_more_than_a_fast_one_pushes_it_up():
+    slow, fast = BandwidthEstimator(), BandwidthEstimator()
+    for est, odd in ((slow, 1 * MB), (fast, 100 * MB)):
+        for rate in (10 * MB,) * 4 + (odd,):
+            est.add(1_000_000, 0.0, 1_000_000 / rate)
+    assert 10 * MB - slow.estimate() > fast.estimate() - 10 * MB
+
+
+def test_a_peer_without_history_needs_a_probe_and_tiny_messages_do_not_count():
+    est = BandwidthEstimator()
+    assert est.needs_probe and est.estimate() is None
+    assert not est.add(3 * 1024, 0.0, 0.001)  # a TEXT chunk measures latency, not bandwidth
+    assert est.needs_probe
+    assert est.add(1_000_000, 0.0, 0.1)
+    assert not est.needs_probe and est.estimate() == pytest.approx(10 * MB)
+
+
+def test_probe_timing_minus_the_round_trip_is_the_first_sample():
+    est = BandwidthEstimator()
+    rate = Probe(size=256 * 1024).record(est, sent_at=1.0, acked_at=1.1, rtt=0.02)
+    assert rate == pytest.approx(256 * 1024 / 0.08)
+    assert est.estimate() == pytest.approx(rate) and not est.needs_probe
+
+
+def test_a_noisy_round_trip_at_most_halves_the_probe_time():
+    est = BandwidthEstimator()
+    assert Probe(size=256 * 1024).record(est, 0.0, 0.1, rtt=0.5) == pytest.approx(256 * 1024 / 0.05)
+
+
+def test_an_ack_before_its_send_is_an_error():
+    with pytest.raises(ValueError, match="not after"):
+        BandwidthEstimator().add(1_000_000, 2.0, 1.0)
+
+
+def test_each_peer_keeps_its_own_history_and_the_oldest_peer_is_forgotten():
+    peers = PeerBandwidth(max_peers=2)
+    peers.get("a").add(1_000_000, 0.0, 0.1)
+    assert peers.get("b").needs_probe and not peers.get("a").needs_probe
+    peers.get("c")  # "b" is now the least recently used
+    assert "b" not in peers and "a" in peers and len(peers) == 2
+
+
+# --- the rules on exact situations ------------------------------------------------------------
+# SmolLM2-135M chunks: int8 11.9 MB, high 4.52 MB, balanced 3.40 MB, fast 2.04 MB per chunk.
+
+@pytest.mark.parametrize("deadline_s, level", [(5.0, "int8"), (2.0, "high"), (1.2, "balanced"),
+                                               (0.7, "fast"), (0.5, TEXT)])
+def test_cachegen_rule_takes_the_highest_level_whose_bytes_fit(deadline_s, level):
+    # 4 chunks at 100 Mbit/s: int8 3.8 s, high 1.45 s, balanced 1.09 s, fast 0.65 s.
+    choice = cachegen_rule(situation(4, mbit(100), deadline_s))
+    assert choice.level == level
+
+
+def test_cachegen_rule_predicts_bytes_over_bandwidth_only():
+    s = situation(4, mbit(100), 2.0)
+    assert cachegen_rule(s).predicted_seconds == pytest.approx(sum(s.sizes["high"]) / mbit(100))
+
+
+def test_cachegen_rule_without_text_on_offer_falls_to_the_smallest_level():
+    s = situation(4, mbit(100), 0.1, ladder=("int8", "high", "balanced", "fast"))
+    assert cachegen_rule(s).level == "fast"
+
+
+def test_adaptive_rule_takes_int8_when_the_link_is_fast_and_decode_is_the_bottleneck():
+    # 2 Gbit/s: a `high` chunk crosses in 18 ms but decodes in 197 ms; int8 crosses in 48 ms
+    # and decodes in 31 ms. CacheGen's rule sees only the bytes, and picks `high`.
+    s = situation(4, mbit(2000), 0.3)
+    assert cachegen_rule(situation(4, mbit(2000), 0.3, ladder=PAPER_LADDER)).level == "high"
+    choice = adaptive_rule(s)
+    assert choice.level == "int8" and choice.predicted_seconds <= 0.3
+
+
+def test_on_a_fast_link_int8_meets_a_deadline_that_decode_makes_impossible_for_coded_levels():
+    sizes, work = traces.smollm2_chunks(4)
+    assert 4 * work["fast"] > 0.45  # even the fastest entropy-coded level decodes too slowly
+    adaptive = traces.simulate(adaptive_rule, [2000.0] * 4, sizes, 0.45, work)
+    assert adaptive.deadline_met and adaptive.mean_dppl == 0.0 and "int8" in adaptive.levels
+    paper = {lv: sizes[lv] for lv in PAPER_LADDER}
+    assert not traces.simulate(cachegen_rule, [2000.0] * 4, paper, 0.45, work).deadline_met
+
+
+def test_adaptive_rule_counts_the_receivers_backlog():
+    free = adaptive_rule(situation(2, mbit(2000), 0.6))
+    busy = adaptive_rule(situation(2, mbit(2000), 0.6, backlog_s=0.5))
+    assert busy.predicted_seconds > free.predicted_seconds + 0.4
+
+
+def test_adaptive_rule_sends_text_when_recompute_beats_a_slow_link_at_no_quality_cost():
+    # 5 Mbit/s: one `high` chunk takes 7.2 s to cross; recompute takes 3.5 s and overlaps the link.
+    choice = adaptive_rule(situation(2, mbit(5), 9.0))
+    assert choice.level == TEXT and "Δppl 0.00%" in choice.reason
+
+
+def test_adaptive_rule_after_a_lost_deadline_finishes_at_the_best_quality():
+    assert DPPL[adaptive_rule(situation(4, mbit(100), -1.0)).level] == 0.0
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4])
+def test_adaptive_rule_meets_a_constant_link_deadline_whenever_an_assignment_fits_with_its_margin(chunks):
+    # Every level sequence is tried on the same simulated pipeline; a deadline 1/0.9 above the
+    # best of them (the rule plans at 0.9 x the estimate) must be met, at any bandwidth.
+    sizes, work = traces.smollm2_chunks(chunks)
+    for rate in (5, 12, 30, 70, 150, 300, 500, 1000, 2000):
+        trace = [float(rate)] * chunks
+        best = min(traces.simulate(fixed(seq), trace, sizes, 1e9, work).total_seconds
+                   for seq in itertools.product(sizes, repeat=chunks))
+        for slack in (1 / 0.9 + 1e-3, 1.5, 3.0):
+            result = traces.simulate(adaptive_rule, trace, sizes, best * slack, work)
+            assert result.deadline_met, (rate, slack, best, result)
+
+
+# --- traces and the simulation ----------------------------------------------------------------
+
+def test_traces_are_seeded_log_uniform_in_5_to_500_mbit():
+    trace = traces.generate(seed=7, chunks=2000)
+    assert trace == traces.generate(seed=7, chunks=2000) != traces.generate(seed=8, chunks=2000)
+    assert 5 <= min(trace) and max(trace) <= 500
+    # log-uniform: half the draws below the geometric middle, 50 Mbit/s
+    assert sum(v < 50 for v in trace) / len(trace) == pytest.approx(0.5, abs=0.04)
+
+
+def test_trace_files_round_trip_and_bad_lines_are_named(tmp_path):
+    path = tmp_path / "trace.txt"
+    traces.save(path, [5.5, 100.0, 480.25])
+    assert traces.load(path) == [5.5, 100.0, 480.25]
+    path.write_text("# a comment\n10\n\nfast\n")
+    with pytest.raises(ValueError, match=r"trace.txt:4: not a bandwidth"):
+        traces.load(path)
+
+
+def test_simulation_pipelines_decode_with_the_link():
+    sizes, work = traces.smollm2_chunks(4)
+    result = traces.simulate(fixed(["high"] * 4), [100.0] * 4, sizes, 10.0, work)
+    link = sizes["high"][0] / mbit(100)  # 0.36 s, longer than the 0.197 s decode
+    probe = Probe().size / mbit(100)
+    assert result.total_seconds == pytest.approx(probe + 4 * link + work["high"])
+    assert result.levels == ("high",) * 4 and result.mean_dppl == 0.0 and result.deadline_met
+
+
+def test_simulated_rule_sees_only_the_past():
+    seen = []
+
+    def rule(s):
+        seen.append(s.bandwidth)
+        return Choice("high", 0.0, "")
+
+    sizes, work = traces.smollm2_chunks(3)
+    traces.simulate(rule, [10.0, 100.0, 400.0], sizes, 10.0, work)
+    # The probe and chunk 0 both cross at 10 Mbit/s; chunk 1's rate is only known after it.
+    assert seen == pytest.approx([mbit(10), mbit(10), 3 / (2 / mbit(10) + 1 / mbit(100))])
+
+
+# --- the stream sender ------------------------------------------------------------------------
+
+def sender(deadline_ms: float, chunks: int = 4, rule=adaptive_rule, probed_at: float | None = 100.0):
+    est = BandwidthEstimator()
+    if probed_at is not None:
+        est.add(1_000_000, 0.0, 1_000_000 / mbit(probed_at))
+    sizes, work = traces.smollm2_chunks(chunks)
+    return StreamSender(7, chunks, sizes, deadline_ms, 0.0, rule, est, work)
+
+
+def run(s: StreamSender, now: float, bandwidth: float) -> float:
+    """Send and acknowledge chunk after chunk at `bandwidth` bytes/s; returns the time."""
+    while (nxt := s.next_chunk(now)) is not None:
+        i, level = nxt
+        nbytes = s.sizes[level][i]
+        s.on_ack(i, nbytes, now, now + nbytes / bandwidth)
+        now += nbytes / bandwidth
+    return now
+
+
+def test_sender_streams_every_chunk_in_order_within_its_deadline():
+    s = sender(deadline_ms=5000)
+    handed = []
+    now = 0.0
+    while (nxt := s.next_chunk(now)) is not None:
+        handed.append(nxt[0])
+        now += 0.1
+        s.on_ack(nxt[0], s.sizes[nxt[1]][nxt[0]], now - 0.1, now)
+    assert handed == [0, 1, 2, 3] and s.finished and s.finished_at == pytest.approx(0.4)
+    assert not s.deadline_missed(now) and len(s.choices) == 4
+
+
+def test_sender_reports_a_passed_deadline_and_keeps_sending():
+    s = sender(deadline_ms=1000, rule=cachegen_rule)
+    end = run(s, 0.0, mbit(10))  # 4 `high` chunks would take 14 s at 10 Mbit/s
+    assert end > 1.0 and s.finished and s.deadline_missed(end)
+    assert len(s.levels) == 4 and s.levels[-1] == TEXT  # CacheGen's rule: TEXT once nothing fits
+    assert s.deadline_missed(end + 100)  # stays reported
+
+
+def test_sender_marks_the_deadline_missed_as_soon_as_it_passes():
+    s = sender(deadline_ms=200)
+    i, level = s.next_chunk(0.0)
+    assert not s.deadline_missed(0.1) and s.deadline_missed(0.3)
+    s.on_ack(i, s.sizes[level][i], 0.0, 0.3)
+    assert s.next_chunk(0.3) is not None and s.deadline_missed(0.3)
+
+
+def test_sender_late_last_ack_misses_the_deadline():
+    s = sender(deadline_ms=500, chunks=1)
+    i, level = s.next_chunk(0.0)
+    s.on_ack(i, s.sizes[level][i], 0.0, 0.6)
+    assert s.finished and s.deadline_missed(0.6)
+
+
+def test_cancel_stops_the_stream_at_once():
+    s = sender(deadline_ms=1000)
+    i, level = s.next_chunk(0.0)
+    s.cancel()
+    assert s.next_chunk(0.01) is None and s.finished
+    s.on_ack(i, 2_000_000, 0.0, 0.02)  # the chunk already on the wire still measures the link
+    assert s.estimator.samples[-1] == pytest.approx(1e8)
+    assert not s.deadline_missed(50.0)  # a cancelled stream has no deadline left to miss
+
+
+def test_sender_tells_the_rule_what_is_still_in_flight():
+    seen = []
+
+    def rule(sit):
+        seen.append(sit)
+        return Choice("high", 0.0, "")
+
+    s = sender(deadline_ms=5000, rule=rule)
+    s.next_chunk(0.0)
+    s.next_chunk(0.0)  # pipelined: chunk 0 not yet acknowledged
+    assert seen[1].inflight_bytes == s.sizes["high"][0]
+    assert seen[1].backlog_s == pytest.approx(s.work_s["high"]) and seen[1].chunks == 3
+
+
+def test_an_ack_for_a_chunk_not_in_flight_is_an_error():
+    s = sender(deadline_ms=1000)
+    i, level = s.next_chunk(0.0)
+    s.on_ack(i, s.sizes[level][i], 0.0, 0.1)
+    with pytest.raises(ValueError, match="not in flight"):
+        s.on_ack(i, s.sizes[level][i], 0.0, 0.2)
+    with pytest.raises(ValueError, match="not in flight"):
+        s.on_ack(3, 1000, 0.0, 0.2)
+
+
+def test_sender_will_not_guess_the_link_before_a_probe():
+    s = sender(deadline_ms=1000, probed_at=None)
+    assert s.needs_probe
+    with pytest.raises(RuntimeError, match="probe"):
+        s.next_chunk(0.0)
+
+
+# --- the comparison on CacheGen-style traces --------------------------------------------------
+
+SEEDS = range(50)
+# Deadlines of 1 to 2.5 s per chunk: at 5-500 Mbit/s a `high` chunk takes 0.1-7 s to cross,
+# so each of them forces a choice between quality and the deadline on some traces.
+CONFIGS = [(chunks, per_chunk * chunks) for chunks in (4, 8) for per_chunk in (1.0, 1.5, 2.0, 2.5)]
+
+
+def _evaluate(rule, chunks: int, deadline_s: float, ladder=None) -> tuple[float, float, float]:
+    sizes, work = traces.smollm2_chunks(chunks)
+    if ladder is not None:
+        sizes = {lv: sizes[lv] for lv in ladder}
+    runs = [traces.simulate(rule, traces.generate(seed, chunks), sizes, deadline_s, work) for seed in SEEDS]
+    return (sum(r.deadline_met for r in runs) / len(runs), statistics.fmean(r.mean_dppl for r in runs),
+            statistics.median(r.total_seconds for r in runs))
+
+
+def test_adaptive_rule_meets_more_deadlines_than_cachegen_at_no_worse_quality():
+    rules = {"cachegen": (cachegen_rule, None), "cachegen-paper": (cachegen_rule, PAPER_LADDER),
+             "adaptive": (adaptive_rule, None)}
+    print(f"\n{len(SEEDS)} traces each (5-500 Mbit/s, log-uniform per chunk); "
+          "met = deadline attainment, Δppl = mean over chunks, s = median seconds")
+    print(f"{'chunks':>6} {'deadline':>8}  " + "  ".join(f"{name:>22}" for name in rules))
+    totals = {name: [0.0, 0.0] for name in rules}
+    for chunks, deadline_s in CONFIGS:
+        got = {name: _evaluate(rule, chunks, deadline_s, ladder) for name, (rule, ladder) in rules.items()}
+        print(f"{chunks:>6} {deadline_s:>7.0f}s  " + "  ".join(
+            f"{met:>5.0%} {dppl:>+6.2f}% {secs:>5.1f}s" for met, dppl, secs in got.values()))
+        for name, (met, dppl, _) in got.items():
+            totals[name][0] += met / len(CONFIGS)
+            totals[name][1] += dppl / len(CONFIGS)
+        adaptive = got["adaptive"]
+        for baseline in ("cachegen", "cachegen-paper"):
+            assert adaptive[0] >= got[baseline][0], (chunks, deadline_s, baseline, got)
+            assert adaptive[1] <= got[baseline][1], (chunks, deadline_s, baseline, got)
+    print(f"{'all':>15}  " + "  ".join(f"{met:>5.0%} {dppl:>+6.2f}%{'':7}" for met, dppl in totals.values()))

@@ -1,0 +1,100 @@
+"""Link bandwidth from the chunks a sender really delivered: bytes over send-to-ack time,
+smoothed as a harmonic mean, kept per peer, with an active probe for a peer with no history."""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+# A delivery this small measures round-trip latency rather than bandwidth (a TEXT chunk is
+# ~3 KiB), so it must not drag the estimate down.
+MIN_SAMPLE_BYTES = 64 * 1024
+
+
+class BandwidthEstimator:
+    """Bytes/s of one link, from (bytes, send start, ack time) of each chunk actually sent.
+
+    The estimate is the harmonic mean of the last `window` samples: the time to send B bytes
+    is B/bandwidth, and the harmonic mean is the rate whose time is the mean of the samples'
+    times, so one fast outlier cannot make the sender over-commit."""
+
+    def __init__(self, window: int = 5, min_bytes: int = MIN_SAMPLE_BYTES) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.min_bytes = min_bytes
+        self._rates: deque[float] = deque(maxlen=window)
+
+    def add(self, nbytes: int, sent_at: float, acked_at: float) -> bool:
+        """Record one delivery; returns whether it counted (small ones do not)."""
+        if acked_at <= sent_at:
+            raise ValueError(f"ack at {acked_at} is not after the send started at {sent_at}")
+        if nbytes < self.min_bytes:
+            return False
+        self._rates.append(nbytes / (acked_at - sent_at))
+        return True
+
+    @property
+    def needs_probe(self) -> bool:
+        """True until the link has been measured once: the first chunk needs a probe."""
+        return not self._rates
+
+    @property
+    def samples(self) -> tuple[float, ...]:
+        """The rates (bytes/s) in the window, oldest first."""
+        return tuple(self._rates)
+
+    def estimate(self) -> float | None:
+        """Harmonic mean of the recent rates, bytes/s; None without history."""
+        if not self._rates:
+            return None
+        return len(self._rates) / sum(1.0 / r for r in self._rates)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An active measurement before the first chunk to a peer with no history: send `size`
+    bytes (padding the receiver acknowledges), and time them from write start to the ack."""
+
+    size: int = 256 * 1024  # 0.4 s at 5 Mbit/s, 4 ms at 500 Mbit/s
+
+    def record(self, estimator: BandwidthEstimator, sent_at: float, acked_at: float,
+               rtt: float = 0.0) -> float:
+        """Feed the probe's timing to `estimator` as its first sample; returns the rate.
+
+        A probe is small, so one round trip (from PING/PONG) is a visible part of its time and
+        is taken off; at most half the time goes, so a noisy RTT cannot blow the rate up."""
+        elapsed = acked_at - sent_at
+        if elapsed <= 0:
+            raise ValueError(f"probe ack at {acked_at} is not after its send at {sent_at}")
+        transfer = max(elapsed - rtt, elapsed / 2)
+        if not estimator.add(self.size, acked_at - transfer, acked_at):
+            raise ValueError(f"a probe of {self.size} bytes is under the estimator's "
+                             f"minimum sample of {estimator.min_bytes} bytes")
+        return self.size / transfer
+
+
+class PeerBandwidth:
+    """Estimators by peer id, so a later FETCH to the same peer starts from its history and
+    skips the probe; past `max_peers` the least recently used peer is forgotten."""
+
+    def __init__(self, window: int = 5, max_peers: int = 1024) -> None:
+        self.window = window
+        self.max_peers = max_peers
+        self._peers: OrderedDict[str, BandwidthEstimator] = OrderedDict()
+
+    def get(self, peer: str) -> BandwidthEstimator:
+        """The estimator of `peer`, made empty (needing a probe) on first use."""
+        est = self._peers.pop(peer, None) or BandwidthEstimator(self.window)
+        self._peers[peer] = est
+        while len(self._peers) > self.max_peers:
+            self._peers.popitem(last=False)
+        return est
+
+    def forget(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self._peers
+
+    def __len__(self) -> int:
+        return len(self._peers)

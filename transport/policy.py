@@ -1,0 +1,177 @@
+"""Per-chunk level choice for a stream: CacheGen's rule and kvstreamd's adaptive rule, as pure
+functions of the link estimate, the remaining chunks' sizes, the receiver's work and the deadline."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import combinations_with_replacement
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+TEXT = "text"  # the token ids, for the receiver to recompute
+
+# Quality cost of each level, Δppl % (docs/benchmarks.md, SmolLM2-135M on WikiText-2 test).
+# int8 (-0.09%) and high (-0.25%) measure below zero only by the noise of 768 scored tokens;
+# counted as 0 so that no lossy level looks better than the exact cache.
+DPPL: dict[str, float] = {"fp16": 0.0, "int8": 0.0, "high": 0.0, "balanced": 0.22, "fast": 1.86,
+                          TEXT: 0.0}
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What a rule knows when it picks the level of the next chunk."""
+
+    bandwidth: float  # bytes/s: the smoothed estimate (harmonic mean of recent chunks)
+    # level -> wire bytes of each remaining chunk, the next one first; levels listed best first
+    sizes: Mapping[str, Sequence[int]]
+    work_s: Mapping[str, float]  # level -> receiver seconds per chunk: decode, or recompute for TEXT
+    dppl: Mapping[str, float]  # level -> quality cost, Δppl %
+    deadline_s: float  # seconds left until the deadline; <= 0 once it has passed
+    backlog_s: float = 0.0  # receiver seconds of work already queued (sent, not yet decoded)
+    inflight_bytes: int = 0  # bytes sent and not yet acknowledged
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"bandwidth must be > 0, got {self.bandwidth}")
+        lengths = {len(v) for v in self.sizes.values()}
+        if len(lengths) != 1 or 0 in lengths:
+            raise ValueError(f"every level needs the same, non-zero number of chunks: {lengths}")
+        missing = [lv for lv in self.sizes if lv not in self.work_s or lv not in self.dppl]
+        if missing:
+            raise ValueError(f"no receiver work or quality cost for levels {missing}")
+
+    @property
+    def chunks(self) -> int:
+        return len(next(iter(self.sizes.values())))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A rule's answer: the level of the next chunk, and why."""
+
+    level: str
+    predicted_seconds: float  # the rule's own prediction of the time from now to the end
+    reason: str
+
+
+Rule = Callable[[Situation], Choice]
+
+
+def receiver_work(chunk_bytes: int, decode_rate: Mapping[str, float], recompute_s: float) -> dict[str, float]:
+    """Receiver seconds per chunk for each level, from decode rates in bytes of fp16 KV out per
+    second (of the whole receiver, all its decode processes together) and the recompute time."""
+    return {level: chunk_bytes / rate for level, rate in decode_rate.items()} | {TEXT: recompute_s}
+
+
+def _by_quality(s: Situation) -> list[str]:
+    """Coded levels, best first: lowest Δppl, ties in the order the caller listed them."""
+    order = [lv for lv in s.sizes if lv != TEXT]
+    return sorted(order, key=lambda lv: (s.dppl[lv], order.index(lv)))
+
+
+def _mbit(rate: float) -> str:
+    return f"{rate * 8 / 1e6:.1f} Mbit/s"
+
+
+def cachegen_rule(s: Situation) -> Choice:
+    """CacheGen's rule (SIGCOMM 2024): the highest-quality level whose predicted time for all
+    the remaining chunks -- their bytes at that level over the estimated bandwidth -- fits
+    the remaining deadline; if no level fits, TEXT for the receiver to recompute (or, where
+    the tokens are not on offer, the smallest level). The receiver's decode time is not part
+    of the prediction, as in the paper."""
+    levels = _by_quality(s)
+    for level in levels:
+        seconds = (s.inflight_bytes + sum(s.sizes[level])) / s.bandwidth
+        if seconds <= s.deadline_s:
+            return Choice(level, seconds, f"{level} fits: {seconds:.2f} s <= {s.deadline_s:.2f} s "
+                                          f"at {_mbit(s.bandwidth)}")
+    fallback = TEXT if TEXT in s.sizes else min(levels, key=lambda lv: sum(s.sizes[lv]))
+    seconds = (s.inflight_bytes + sum(s.sizes[fallback])) / s.bandwidth
+    return Choice(fallback, seconds, f"no level fits {s.deadline_s:.2f} s at {_mbit(s.bandwidth)}: "
+                                     f"{fallback}")
+
+
+@lru_cache(maxsize=64)
+def _splits(groups: int, levels: int) -> np.ndarray:
+    """Every way to share `groups` equal groups of chunks among `levels` levels: [plans, levels]."""
+    rows = [np.bincount(c, minlength=levels) for c in combinations_with_replacement(range(levels), groups)]
+    out = np.array(rows, dtype=np.float64)
+    out.flags.writeable = False
+    return out
+
+
+def _finish(s: Situation, counts: np.ndarray, bandwidth: float) -> tuple[np.ndarray, list[int]]:
+    """For each plan (a row of chunk counts per level): seconds from now until the receiver
+    holds every remaining chunk, at `bandwidth`; and the order its levels are sent in."""
+    levels = list(s.sizes)
+    link = np.array([np.mean(s.sizes[lv]) / bandwidth for lv in levels])
+    work = np.array([s.work_s[lv] for lv in levels])
+    # Johnson's rule, which minimises a two-stage pipeline's time: receiver-bound levels
+    # first by link time ascending, then link-bound ones by receiver time descending.
+    order = sorted(range(len(levels)), key=lambda j: (0, link[j]) if link[j] < work[j] else (1, -work[j]))
+    sent = np.full(len(counts), s.inflight_bytes / bandwidth)  # the link is through the plan so far
+    done = np.full(len(counts), s.backlog_s)  # the receiver is through it
+    for j in order:
+        m, a, b = counts[:, j], link[j], work[j]
+        # m like chunks in a row: the receiver ends m*b after it is free, or after the first
+        # chunk lands (a), or one chunk's work after the last one lands (m*a).
+        finish = np.maximum(np.maximum(done + m * b, sent + a + m * b), sent + m * a + b)
+        done = np.where(m > 0, finish, done)
+        sent = sent + m * a
+    return done, order
+
+
+def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimism: float = 2.0,
+                  stress: float = 0.5) -> Choice:
+    """kvstreamd's rule: plan all the remaining chunks on a model of the whole pipeline, send
+    the first chunk of the best plan, and plan again at the next chunk (model-predictive
+    control, as in video bitrate adaptation).
+
+    - Time: the link carries chunks one after another (bytes / bandwidth each) while the
+      receiver decodes them in order as they land (`work_s`; for TEXT, the recompute), so a
+      plan takes about max(link time, receiver time) plus one chunk of the other, not their
+      sum. Decode time per chunk does not shrink with the level, so on a fast link the
+      entropy-coded levels (small, slow to decode) lose to int8 (2.6x the bytes of `high`,
+      ~6x faster to decode), and a mix of the two can beat both by keeping both stages busy.
+      TEXT costs the link nothing but the receiver a prefill, which overlaps the link's work.
+    - Plans: how many of the remaining chunks go at each level (a context's chunks are the
+      same size, so counts are enough), sent in the order that minimises the pipeline's time
+      (Johnson's rule). Past `horizon` chunks, the chunks are shared out in `horizon` equal
+      groups, so there are a few hundred plans whatever the context's length.
+    - Safety: plans are timed at `safety` x the smoothed bandwidth. The harmonic mean already
+      leans to the slow samples; planning on the slowest recent sample instead made no
+      consistent difference on the random traces, so the simpler discount stays.
+    - Choice, in three cases:
+      1. Some plan fits the deadline: the least mean Δppl. Among equals, fewer TEXT chunks
+         (a prefill takes the receiver's compute), then the plan that would still finish
+         first if the link fell to `stress` x the planning bandwidth (int8's extra bytes are
+         exposure to a drop).
+      2. None fits, but one would at `optimism` x the smoothed bandwidth: the deadline can
+         still be met if the link speeds up, so the fastest plan (least Δppl among equals).
+      3. Not even then: the deadline is lost and lower quality cannot save it, so the least
+         mean Δppl, and among equals the fastest -- a late but lossless finish, as with
+         CacheGen's TEXT fallback, but by the quickest lossless way."""
+    levels = list(s.sizes)
+    n = s.chunks
+    groups = min(n, horizon)
+    counts = _splits(groups, len(levels)) * (n / groups)
+    quality = np.round(counts @ np.array([s.dppl[lv] for lv in levels]) / n, 9)
+    texts = counts[:, levels.index(TEXT)] if TEXT in levels else np.zeros(len(counts))
+    safe = s.bandwidth * safety
+    done, order = _finish(s, counts, safe)
+    fits = done <= s.deadline_s
+    if fits.any():
+        keys = (_finish(s, counts, safe * stress)[0], texts, quality)
+        verdict = "fits"
+    elif (_finish(s, counts, s.bandwidth * optimism)[0] <= s.deadline_s).any():
+        fits[:], keys, verdict = True, (quality, done), "behind, fastest plan"
+    else:
+        fits[:], keys, verdict = True, (done, quality), "deadline lost, best quality"
+    candidates = np.flatnonzero(fits)
+    best = candidates[np.lexsort(tuple(k[candidates] for k in keys))[0]]
+    used = [j for j in order if counts[best, j] > 0]
+    plan = " + ".join(f"{counts[best, j]:g}x{levels[j]}" for j in used)
+    return Choice(levels[used[0]], float(done[best]),
+                  f"{verdict} ({s.deadline_s:.2f} s left): {plan} in {done[best]:.2f} s at "
+                  f"{_mbit(safe)}, mean Δppl {quality[best]:.2f}%")

@@ -1,0 +1,114 @@
+"""The sending side of one FETCH, sans-IO: which chunk goes next and at which level, learning
+the link from the receiver's ACKs. No sockets and no clock: every call takes `now`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .bandwidth import BandwidthEstimator
+from .policy import DPPL, Choice, Rule, Situation
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    level: str
+    bytes: int
+
+
+class StreamSender:
+    """Streams chunks 0..chunks-1 of request `req` in order, each at the level `rule` picks
+    from the estimator's view of the link, the receiver's predicted backlog and the time left.
+
+    A deadline that passes is recorded, not ignored: the stream goes on at whatever the rule
+    says once the deadline is lost, and `deadline_missed` reports it for the END message.
+    The deadline counts until the receiver has acknowledged every chunk."""
+
+    def __init__(self, req: int, chunks: int, sizes: Mapping[str, Sequence[int]], deadline_ms: float,
+                 now: float, rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
+                 dppl: Mapping[str, float] = DPPL) -> None:
+        if chunks < 1:
+            raise ValueError(f"request {req}: a stream needs at least one chunk, got {chunks}")
+        wrong = {lv: len(s) for lv, s in sizes.items() if len(s) != chunks}
+        if not sizes or wrong:
+            raise ValueError(f"request {req}: every level needs {chunks} chunk sizes, "
+                             f"got {wrong or 'no levels'}")
+        missing = [lv for lv in sizes if lv not in work_s or lv not in dppl]
+        if missing:
+            raise ValueError(f"request {req}: no receiver work or quality cost for levels {missing}")
+        if deadline_ms < 0:
+            raise ValueError(f"request {req}: deadline_ms must be >= 0, got {deadline_ms}")
+        self.req = req
+        self.chunks = chunks
+        self.sizes = {lv: list(s) for lv, s in sizes.items()}
+        self.deadline_at = now + deadline_ms / 1000
+        self.rule = rule
+        self.estimator = estimator
+        self.work_s = dict(work_s)
+        self.dppl = dict(dppl)
+        self.levels: list[str] = []  # the level of each chunk handed out, in order
+        self.choices: list[Choice] = []  # the rule's answer for each, with its reason
+        self.cancelled = False
+        self.finished_at: float | None = None  # when the last chunk was acknowledged
+        self._inflight: dict[int, _InFlight] = {}
+        self._receiver_free = now  # predicted: the receiver is through every chunk acked so far
+        self._missed = False
+
+    @property
+    def needs_probe(self) -> bool:
+        """True when the link to this peer was never measured: probe before the first chunk."""
+        return self.estimator.needs_probe
+
+    @property
+    def finished(self) -> bool:
+        """Every chunk acknowledged, or the stream cancelled: time for END."""
+        return self.cancelled or self.finished_at is not None
+
+    def next_chunk(self, now: float) -> tuple[int, str] | None:
+        """The next chunk to send and its level; None once all are handed out or after cancel."""
+        if self.cancelled or len(self.levels) == self.chunks:
+            return None
+        estimate = self.estimator.estimate()
+        if estimate is None:
+            raise RuntimeError(f"request {self.req}: no bandwidth estimate for this peer; "
+                               "probe the link before the first chunk (needs_probe)")
+        self.deadline_missed(now)
+        i = len(self.levels)
+        situation = Situation(
+            bandwidth=estimate, sizes={lv: s[i:] for lv, s in self.sizes.items()},
+            work_s=self.work_s, dppl=self.dppl, deadline_s=self.deadline_at - now,
+            # Chunks in flight still have their decode ahead of them at the receiver.
+            backlog_s=max(0.0, self._receiver_free - now)
+            + sum(self.work_s[c.level] for c in self._inflight.values()),
+            inflight_bytes=sum(c.bytes for c in self._inflight.values()))
+        choice = self.rule(situation)
+        if choice.level not in self.sizes:
+            raise ValueError(f"request {self.req}: the rule chose {choice.level!r}, "
+                             f"not one of the levels on offer {list(self.sizes)}")
+        self.levels.append(choice.level)
+        self.choices.append(choice)
+        self._inflight[i] = _InFlight(choice.level, self.sizes[choice.level][i])
+        return i, choice.level
+
+    def on_ack(self, i: int, nbytes: int, sent_at: float, acked_at: float) -> None:
+        """The receiver has chunk i in full: `nbytes` on the wire, written from `sent_at`.
+        Acks still count after cancel: they are honest measurements of the link."""
+        sent = self._inflight.pop(i, None)
+        if sent is None:
+            raise ValueError(f"request {self.req}: ACK for chunk {i}, which is not in flight "
+                             f"({len(self.levels)} of {self.chunks} chunks sent)")
+        self.estimator.add(nbytes, sent_at, acked_at)
+        self._receiver_free = max(self._receiver_free, acked_at) + self.work_s[sent.level]
+        if len(self.levels) == self.chunks and not self._inflight and not self.cancelled:
+            self.finished_at = acked_at
+            self._missed |= acked_at > self.deadline_at
+
+    def cancel(self) -> None:
+        """Stop at once: no chunk is handed out after this."""
+        self.cancelled = True
+
+    def deadline_missed(self, now: float) -> bool:
+        """Whether the deadline passed before the receiver had every chunk; once True, stays
+        True (it goes into END)."""
+        if not self.finished and now > self.deadline_at:
+            self._missed = True
+        return self._missed
