@@ -1,0 +1,590 @@
+"""The only module that touches sockets: asyncio TCP glue that drives protocol.Connection,
+plus the request layer (serve FETCHes with a handler; fetch chunks as an async iterator)."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import zlib
+from typing import Any, Awaitable, Callable, Coroutine
+
+from . import frames
+from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, INTERNAL, NORMAL, NOT_FOUND, Ack,
+                       Cancel, Chunk, End, Error, Fetch, Message, Ping, Pong, Text)
+from .protocol import (Connection, ConnectionClosed, HandshakeComplete, MessageReceived, State)
+
+log = logging.getLogger("kvstreamd.transport")
+
+DEFAULT_HANDSHAKE_TIMEOUT = 5.0  # seconds from TCP connect to READY
+DEFAULT_MAX_BUFFERED_BYTES = 64 * 2**20  # received chunks not yet taken by fetchers
+
+Handler = Callable[["Stream", Fetch], Awaitable[None]]
+OnConnect = Callable[["PeerConnection"], Awaitable[None] | None]
+
+
+class TransportError(Exception):
+    """Base of this module's errors; `code` is a protocol error code, `msg` says what happened."""
+
+    def __init__(self, code: str, msg: str):
+        super().__init__(f"{code}: {msg}")
+        self.code = code
+        self.msg = msg
+
+
+class HandshakeError(TransportError):
+    """connect() did not reach READY: refused (auth_failed, version, ...), timed out or lost."""
+
+
+class ConnectionClosedError(TransportError):
+    """The connection is closed; `code`/`msg` say why."""
+
+
+class FetchError(TransportError):
+    """A fetch did not complete; `req` is its request id. Never raised for a complete fetch."""
+
+    def __init__(self, code: str, msg: str, req: int):
+        super().__init__(code, f"req {req}: {msg}")
+        self.req = req
+
+
+class FetchFailed(FetchError):
+    """The serving peer ended the request with an ERROR (e.g. not_found, internal)."""
+
+
+class FetchCancelled(FetchError):
+    """The fetch was cancelled (by cancel() on this side)."""
+
+
+class FetchInterrupted(FetchError, ConnectionClosedError):
+    """The connection closed before the request's END: what arrived is not the whole context."""
+
+
+def loop_factory() -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's when it is installed, asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(main: Coroutine[Any, Any, Any]) -> Any:
+    """asyncio.run(main) on the loop loop_factory() makes."""
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main)
+
+
+class FetchStream:
+    """The client side of one FETCH: an async iterator of its CHUNK and TEXT messages that
+    stops after END "ok" and raises a FetchError for any other ending."""
+
+    def __init__(self, peer: PeerConnection, req: int):
+        self.peer = peer
+        self.req = req
+        self.end: End | None = None  # the END, once it has arrived (deadline_missed is on it)
+        self._items: asyncio.Queue[Chunk | Text | None] = asyncio.Queue()
+        self._final: FetchError | None = None  # set once the request is over and not ok
+
+    def __aiter__(self) -> FetchStream:
+        return self
+
+    async def __anext__(self) -> Chunk | Text:
+        if self._items.empty() and (self._final is not None or self.end is not None):
+            return self._stop()
+        item = await self._items.get()
+        if item is None:
+            return self._stop()
+        self.peer._taken(item)
+        return item
+
+    async def cancel(self) -> None:
+        """Stop the stream: sends CANCEL; this iterator raises FetchCancelled from now on."""
+        await self.peer.cancel(self.req)
+
+    def _stop(self) -> Any:
+        if self._final is not None:
+            raise self._final
+        raise StopAsyncIteration
+
+    def _finish(self, end: End | None, error: FetchError | None) -> None:
+        # a cancelled or broken request drops what it buffered; "ok" keeps it for the reader
+        if error is not None:
+            self._final = error
+            while not self._items.empty():
+                item = self._items.get_nowait()
+                if item is not None:
+                    self.peer._taken(item)
+        self.end = end
+        self._items.put_nowait(None)
+
+
+class Stream:
+    """The serving side of one FETCH, handed to the handler: send the chunks, watch the
+    ACKs. A CANCEL cancels the handler's task; END "cancelled" is then sent for it."""
+
+    def __init__(self, peer: PeerConnection, fetch: Fetch, now: float):
+        self.peer = peer
+        self.fetch = fetch
+        self.req = fetch.req
+        self.started = now  # loop time the FETCH arrived; the deadline counts from here
+        self.deadline = now + fetch.deadline_ms / 1000.0  # loop time
+        self.acks: asyncio.Queue[tuple[Ack, float]] = asyncio.Queue()  # (ACK, loop time it arrived)
+        self.cancelled = False  # the peer sent CANCEL
+        self.ended = False  # END or a request ERROR was sent
+        self.task: asyncio.Task | None = None
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (negative once it has passed)."""
+        return self.deadline - self.peer._loop.time()
+
+    async def send_chunk(self, i: int, level: str, payload: bytes, crc: int | None = None) -> int:
+        """Send chunk i at `level`; returns the frame's wire size (what its ACK reports)."""
+        # crc32 runs at several GB/s (about 1 ms for 4 MiB), so it stays on the loop; a store
+        # that keeps each chunk's crc can pass it and skip even that
+        msg = Chunk(self.req, i, level, payload, zlib.crc32(payload) if crc is None else crc)
+        return await self.peer._send(msg)
+
+    async def send_text(self, i: int, tokens: list[int]) -> int:
+        """Send chunk i as token ids, for the receiver to recompute; returns the wire size."""
+        return await self.peer._send(Text(self.req, i, list(tokens)))
+
+    async def end(self, deadline_missed: bool | None = None) -> None:
+        """Send END "ok" (every chunk must have been sent). deadline_missed defaults to
+        whether the deadline has passed now."""
+        if deadline_missed is None:
+            deadline_missed = self.remaining() < 0
+        self.ended = True
+        await self.peer._send(End(self.req, "ok", deadline_missed))
+
+    async def fail(self, code: str, msg: str) -> None:
+        """End the request with a request-scoped ERROR; the connection stays open."""
+        self.ended = True
+        await self.peer._send(Error(code, msg, self.req))
+
+
+class PeerConnection(asyncio.Protocol):
+    """One authenticated TCP connection to a peer, either role: send and receive messages,
+    fetch from the peer, and serve the peer's FETCHes with the handler."""
+
+    def __init__(self, role: str, node_id: str, secret: bytes, *, handler: Handler | None = None,
+                 on_connect: OnConnect | None = None, caps: dict | None = None,
+                 max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
+                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+                 nonce_source: Callable[[int], bytes] | None = None):
+        kw = {"nonce_source": nonce_source} if nonce_source else {}
+        self.conn = Connection(role, node_id, secret, max_frame_bytes=max_frame_bytes, caps=caps, **kw)
+        self.node_id = node_id
+        self.peer_node_id: str | None = None  # known once ready
+        self.peer_caps: dict | None = None
+        self.closed: ConnectionClosed | None = None  # why it closed, once it has
+        self._handler = handler
+        self._on_connect = on_connect
+        self._handshake_timeout = handshake_timeout
+        self._max_buffered = max_buffered_bytes
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen by connect() only
+        self._lost = self._loop.create_future()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._inbox: asyncio.Queue[Message | None] = asyncio.Queue()
+        self._fetches: dict[int, FetchStream] = {}
+        self._streams: dict[int, Stream] = {}
+        self._pings: dict[float, asyncio.Future[float]] = {}
+        self._buffered = 0
+        self._reading_paused = False
+        self._tasks: set[asyncio.Task] = set()
+        self._label = "?"  # the peer's node id once known, its address before; for logs
+
+    def __repr__(self) -> str:
+        return f"<PeerConnection {self.conn.role} {self.node_id}->{self._label} {self.conn.state.value}>"
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self.conn.state
+
+    @property
+    def reading_paused(self) -> bool:
+        """True while received chunks nobody has taken exceed max_buffered_bytes, so
+        reading is paused and TCP pushes back on the sending peer."""
+        return self._reading_paused
+
+    @property
+    def rtt(self) -> float | None:
+        """Seconds, from the latest ping()."""
+        return self.conn.rtt
+
+    async def wait_ready(self) -> None:
+        """Return once the handshake is done; raise HandshakeError if it failed."""
+        await asyncio.shield(self._ready)
+
+    async def send(self, msg: Message) -> int:
+        """Send a message that is not part of a request (ADVERTISE, WITHDRAW, PING, ...)
+        and wait for the write buffer to drain; returns its wire size."""
+        if isinstance(msg, (Fetch, Chunk, Text, End, Cancel)) or (isinstance(msg, Error) and msg.req is not None):
+            raise TypeError(f"send {msg.TYPE} through fetch()/cancel() or the handler's Stream")
+        return await self._send(msg)
+
+    async def recv(self) -> Message:
+        """The next message that is not part of a request; ConnectionClosedError once closed."""
+        msg = await self._inbox.get()
+        if msg is None:
+            self._inbox.put_nowait(None)  # let every other reader see the end too
+            raise self._closed_error()
+        return msg
+
+    def __aiter__(self) -> PeerConnection:
+        return self
+
+    async def __anext__(self) -> Message:
+        try:
+            return await self.recv()
+        except ConnectionClosedError:
+            raise StopAsyncIteration from None
+
+    def fetch(self, keys: list[bytes], deadline_ms: int, levels: list[str],
+              decode_mbps: float | None = None) -> FetchStream:
+        """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives)."""
+        self._check_open()
+        req = self.conn.next_request_id()
+        stream = FetchStream(self, req)
+        self._fetches[req] = stream
+        self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps),
+                       self._loop.time())
+        self._flush()
+        return stream
+
+    async def cancel(self, req: int) -> None:
+        """Cancel our fetch `req` at once: its iterator raises FetchCancelled, late chunks
+        are dropped. A no-op for a request that is already over."""
+        stream = self._fetches.pop(req, None)
+        if stream is None:
+            return
+        stream._finish(None, FetchCancelled("cancelled", "cancelled by this side", req))
+        if self.conn.state is State.READY:
+            await self._send(Cancel(req))
+
+    async def ping(self) -> float:
+        """Round-trip time in seconds, measured with PING/PONG."""
+        sent_at, answered_at = await self._ping(None)
+        return answered_at - sent_at
+
+    async def probe(self, size: int) -> tuple[float, float]:
+        """Active bandwidth probe for a peer with no history: a PING padded with `size`
+        bytes. Returns (write start, PONG arrival) in loop time, like a chunk and its ACK."""
+        return await self._ping(bytes(size))
+
+    async def _ping(self, pad: bytes | None) -> tuple[float, float]:
+        t = self._loop.time()
+        while t in self._pings:  # the PONG names its PING by time alone
+            t = math.nextafter(t, math.inf)
+        fut = self._pings[t] = self._loop.create_future()
+        await self._send(Ping(t, pad))
+        return t, await fut
+
+    def close(self, code: str = NORMAL, msg: str = "") -> None:
+        """Tell the peer why (an ERROR frame), flush, and close the socket."""
+        self.conn.close(code, msg)
+        self._process()
+
+    def abort(self) -> None:
+        """Drop the TCP connection without a word (as a crash would); requests on it fail
+        and handlers are cancelled at once."""
+        if self._transport is not None:
+            self._transport.abort()
+        self.conn.close(CONNECTION_LOST, "aborted by this side")  # its ERROR is never written
+        self._process()
+
+    async def wait_closed(self) -> ConnectionClosed:
+        """Wait until the socket is gone; returns why the connection closed."""
+        await asyncio.shield(self._lost)
+        assert self.closed is not None
+        return self.closed
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        address = transport.get_extra_info("peername")
+        self._label = f"{address[0]}:{address[1]}" if address else "?"
+        self._timer = self._loop.call_later(self._handshake_timeout, self._on_handshake_timeout)
+        self._flush()  # our HELLO
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.receive_data(data, self._loop.time())
+        self._process()
+
+    def eof_received(self) -> bool:
+        return False  # a half-closed peer cannot take our replies; close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn.receive_eof(self._loop.time())  # CONNECTION_LOST, unless closed already
+        self._process()
+        if not self._lost.done():
+            self._lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.conn.state is State.CLOSED:
+            raise self._closed_error()
+        if self.conn.state is not State.READY:
+            raise ConnectionClosedError("not_ready", f"connection is in state {self.conn.state.value}")
+
+    def _closed_error(self) -> ConnectionClosedError:
+        c = self.closed
+        return ConnectionClosedError(c.code if c else CONNECTION_LOST, c.msg if c else "closed")
+
+    async def _send(self, msg: Message) -> int:
+        self._check_open()
+        size = self.conn.send(msg, self._loop.time())
+        self._flush()
+        # respect the transport's high-water mark, so a fast sender cannot pile up memory
+        await self._writable.wait()
+        if self.conn.state is State.CLOSED:
+            raise self._closed_error()
+        return size
+
+    def _transport_gone(self) -> bool:
+        return self._transport is None or self._transport.is_closing()
+
+    def _flush(self) -> None:
+        data = self.conn.data_to_send()
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        if data:
+            t.write(data)
+        if self.conn.state is State.CLOSED:
+            t.close()  # after the buffered bytes (our ERROR) are written
+
+    def _process(self) -> None:
+        while (event := self.conn.next_event()) is not None:
+            if isinstance(event, MessageReceived):
+                self._dispatch(event.msg)
+            elif isinstance(event, HandshakeComplete):
+                self._handshake_done(event)
+            elif isinstance(event, ConnectionClosed):
+                self._connection_closed(event)
+        self._flush()
+
+    def _handshake_done(self, event: HandshakeComplete) -> None:
+        if self._timer:
+            self._timer.cancel()
+        self.peer_node_id, self.peer_caps = event.peer_node_id, event.peer_caps
+        log.info("peer %s: connected from %s (%s)", self.peer_node_id, self._label, self.conn.role)
+        self._label = self.peer_node_id
+        self._ready.set_result(None)
+        if self._on_connect is not None:
+            try:
+                result = self._on_connect(self)
+            except Exception:
+                log.exception("peer %s: on_connect failed", self._label)
+                return
+            if inspect.isawaitable(result):
+                self._spawn(result)
+
+    def _on_handshake_timeout(self) -> None:
+        if self.conn.state not in (State.READY, State.CLOSED):
+            self.conn.close(HANDSHAKE_TIMEOUT, f"no handshake within {self._handshake_timeout} s "
+                                               f"(state {self.conn.state.value})")
+            self._process()
+
+    def _dispatch(self, msg: Message) -> None:
+        now = self._loop.time()
+        if isinstance(msg, (Chunk, Text)):
+            stream = self._fetches.get(msg.req)
+            if stream is not None:
+                self._buffered += len(msg.payload) if isinstance(msg, Chunk) else 4 * len(msg.tokens)
+                stream._items.put_nowait(msg)
+                if self._buffered > self._max_buffered and not self._reading_paused:
+                    # fetchers are not keeping up: let TCP push back on the sender
+                    self._reading_paused = True
+                    self._transport.pause_reading()
+        elif isinstance(msg, End):
+            stream = self._fetches.pop(msg.req, None)
+            if stream is not None:
+                err = None if msg.status == "ok" else FetchFailed(
+                    msg.status, f"stream ended with status {msg.status!r}", msg.req)
+                stream._finish(msg, err)
+        elif isinstance(msg, Error) and msg.req is not None:
+            stream = self._fetches.pop(msg.req, None)
+            if stream is not None:
+                stream._finish(None, FetchFailed(msg.code, msg.msg, msg.req))
+        elif isinstance(msg, Fetch):
+            self._serve(msg, now)
+        elif isinstance(msg, Ack):
+            if (s := self._streams.get(msg.req)) is not None:
+                s.acks.put_nowait((msg, now))
+        elif isinstance(msg, Cancel):
+            if (s := self._streams.get(msg.req)) is not None and s.task is not None:
+                s.cancelled = True
+                s.task.cancel()  # at once: the handler sees CancelledError at its next await
+        elif isinstance(msg, Pong):
+            fut = self._pings.pop(msg.time, None)
+            if fut is not None and not fut.done():
+                fut.set_result(now)
+        elif isinstance(msg, Ping):
+            pass  # the connection has already queued the PONG
+        else:  # ADVERTISE, WITHDRAW, ERROR "unknown_type"
+            self._inbox.put_nowait(msg)
+
+    def _taken(self, item: Chunk | Text) -> None:
+        self._buffered -= len(item.payload) if isinstance(item, Chunk) else 4 * len(item.tokens)
+        if self._reading_paused and self._buffered <= self._max_buffered // 2 and not self._transport_gone():
+            self._reading_paused = False
+            self._transport.resume_reading()
+
+    def _serve(self, fetch: Fetch, now: float) -> None:
+        if self._handler is None:
+            self.conn.send(Error(NOT_FOUND, "this node serves no FETCH", fetch.req), now)
+            return
+        stream = Stream(self, fetch, now)
+        self._streams[fetch.req] = stream
+        stream.task = self._spawn(self._handler(stream, fetch))
+        stream.task.add_done_callback(lambda task: self._handler_done(stream, task))
+
+    def _handler_done(self, stream: Stream, task: asyncio.Task) -> None:
+        # a done-callback rather than code after the await: it also runs for a task cancelled
+        # before its first step (FETCH and CANCEL in one read), so every request gets its END
+        self._streams.pop(stream.req, None)
+        error = None
+        if task.cancelled():
+            if not stream.cancelled:
+                return  # the connection or the server is going away, not a CANCEL
+        elif (error := task.exception()) is not None:
+            log.warning("peer %s: req %d: handler failed: %r", self._label, stream.req, error)
+        r = self.conn.serving.get(stream.req)
+        if r is None or self.conn.state is not State.READY:
+            return  # ended by the handler, or the connection is gone
+        if stream.cancelled:
+            msg: Message = End(stream.req, "cancelled", stream.remaining() < 0)
+        elif error is not None:
+            msg = Error(INTERNAL, f"handler failed: {error!r}", stream.req)
+        elif len(r.done) < r.n:
+            msg = Error(INTERNAL, f"handler returned after {len(r.done)} of {r.n} chunks", stream.req)
+        else:
+            msg = End(stream.req, "ok", stream.remaining() < 0)
+        self.conn.send(msg, self._loop.time())
+        self._flush()
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _connection_closed(self, event: ConnectionClosed) -> None:
+        self.closed = event
+        if self._timer:
+            self._timer.cancel()
+        level = logging.INFO if event.code in (NORMAL, CONNECTION_LOST) else logging.WARNING
+        log.log(level, "peer %s: closed (%s, by %s): %s", self._label, event.code,
+                "peer" if event.by_peer else "us", event.msg)
+        if not self._ready.done():
+            self._ready.set_exception(HandshakeError(event.code, event.msg))
+        fetches, self._fetches = self._fetches, {}
+        for req, stream in fetches.items():
+            stream._finish(None, FetchInterrupted(event.code, "connection closed before END: "
+                                                              f"{event.msg}", req))
+        for stream in list(self._streams.values()):
+            if stream.task is not None:
+                stream.task.cancel()
+        for fut in self._pings.values():
+            if not fut.done():
+                fut.set_exception(self._closed_error())
+        self._pings.clear()
+        self._inbox.put_nowait(None)
+        self._writable.set()  # wake writers so they see the close
+
+
+class Server:
+    """A listening socket whose connections are PeerConnections serving FETCHes with the
+    handler. One connection's garbage, timeout or disconnect closes only that connection."""
+
+    def __init__(self, node_id: str, secret: bytes, handler: Handler | None, **options: Any):
+        self.node_id = node_id
+        self.connections: set[PeerConnection] = set()  # open connections, handshaken or not
+        self._secret = secret
+        self._handler = handler
+        self._options = options
+        self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def port(self) -> int:
+        """The port bound (useful with port 0)."""
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    def _new_connection(self) -> PeerConnection:
+        peer = PeerConnection("server", self.node_id, self._secret, handler=self._handler, **self._options)
+        self.connections.add(peer)
+        peer._lost.add_done_callback(lambda _: self.connections.discard(peer))
+        return peer
+
+    def close(self) -> None:
+        """Stop listening and close every connection (ERROR "normal" to each)."""
+        if self._server is not None:
+            self._server.close()
+        for peer in list(self.connections):
+            peer.close(NORMAL, "server shutting down")
+
+    async def wait_closed(self) -> None:
+        """Wait until the listener and every connection are gone."""
+        if self._server is not None:
+            await self._server.wait_closed()
+        await asyncio.gather(*(p.wait_closed() for p in list(self.connections)))
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+        await self.wait_closed()
+
+
+async def serve(host: str, port: int, node_id: str, secret: bytes, handler: Handler | None, *,
+                on_connect: OnConnect | None = None, caps: dict | None = None,
+                max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
+                handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+                max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES) -> Server:
+    """Listen on host:port; each connection's FETCHes go to `handler(stream, fetch)`,
+    and `on_connect(peer)` runs once a connection is READY."""
+    server = Server(node_id, secret, handler, on_connect=on_connect, caps=caps,
+                    max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,
+                    max_buffered_bytes=max_buffered_bytes)
+    loop = asyncio.get_running_loop()
+    server._server = await loop.create_server(server._new_connection, host, port)
+    return server
+
+
+async def connect(host: str, port: int, node_id: str, secret: bytes, *,
+                  handler: Handler | None = None, caps: dict | None = None,
+                  max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
+                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+                  max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES) -> PeerConnection:
+    """Connect and authenticate; returns a READY PeerConnection or raises HandshakeError
+    (OSError if the TCP connection itself fails)."""
+    loop = asyncio.get_running_loop()
+    _, peer = await loop.create_connection(
+        lambda: PeerConnection("client", node_id, secret, handler=handler, caps=caps,
+                               max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,
+                               max_buffered_bytes=max_buffered_bytes), host, port)
+    try:
+        await peer.wait_ready()
+    except HandshakeError:
+        await peer.wait_closed()
+        raise
+    return peer

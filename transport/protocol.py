@@ -1,0 +1,375 @@
+"""The peer protocol as a sans-IO state machine: bytes and the current time in, events and
+bytes to send out. No sockets, no clocks, no asyncio here (see transport/aio.py for those)."""
+from __future__ import annotations
+
+import collections
+import enum
+import hashlib
+import hmac
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import frames
+from .messages import (AUTH_FAILED, BAD_CRC, BAD_MESSAGE, BAD_REQUEST, BAD_FRAME,
+                       CONNECTION_LOST, FRAME_TOO_LARGE, HANDSHAKE_TIMEOUT, INTERNAL, NORMAL,
+                       NOT_FOUND, NONCE_BYTES, PROTO, UNEXPECTED_MESSAGE, UNKNOWN_TYPE, VERSION,
+                       Ack, Auth, Cancel, Chunk, End, Error, Fetch, Hello, Message, Ping, Pong,
+                       ProtocolError, Text, check_node_id, from_wire, to_wire)
+
+__all__ = [
+    "Connection", "State", "Event", "HandshakeComplete", "MessageReceived", "ConnectionClosed",
+    "LocalProtocolError", "ProtocolError", "auth_proof", "AUTH_LABEL", "PROTO",
+    "HANDSHAKE_MAX_FRAME_BYTES", "AUTH_FAILED", "BAD_CRC", "BAD_FRAME", "BAD_MESSAGE",
+    "BAD_REQUEST", "CONNECTION_LOST", "FRAME_TOO_LARGE", "HANDSHAKE_TIMEOUT", "INTERNAL",
+    "NORMAL", "NOT_FOUND", "UNEXPECTED_MESSAGE", "UNKNOWN_TYPE", "VERSION",
+]
+
+AUTH_LABEL = b"kvstreamd-auth-v1"
+# Until both sides are authenticated only HELLO and AUTH may arrive, and they are small: an
+# unauthenticated peer must not be able to make us buffer max_frame_bytes.
+HANDSHAKE_MAX_FRAME_BYTES = 64 * 1024
+
+
+class State(enum.Enum):
+    """Where a connection is. Both sides start in HELLO_SENT (their HELLO is queued at once)."""
+
+    HELLO_SENT = "HELLO_SENT"  # waiting for the peer's HELLO
+    AUTH_WAIT = "AUTH_WAIT"  # server: has the client's HELLO, waiting for the client's AUTH
+    AUTH_SENT = "AUTH_SENT"  # client: sent its AUTH, waiting for the server's
+    READY = "READY"  # authenticated both ways; every message but HELLO/AUTH allowed
+    CLOSED = "CLOSED"  # nothing more is received or sent
+
+
+class Event:
+    """Base of what `Connection.next_event()` returns."""
+
+
+@dataclass(frozen=True)
+class HandshakeComplete(Event):
+    """Both sides proved they hold the secret; the connection is READY."""
+
+    peer_node_id: str  # the node id from the peer's HELLO
+    peer_caps: dict  # the caps from the peer's HELLO
+
+
+@dataclass(frozen=True)
+class MessageReceived(Event):
+    """A message that passed every check for the current state."""
+
+    msg: Message  # the message (ACKs are already sent for CHUNK and TEXT)
+
+
+@dataclass(frozen=True)
+class ConnectionClosed(Event):
+    """The connection is CLOSED; always the last event."""
+
+    code: str  # an error code, NORMAL for an orderly close, CONNECTION_LOST for EOF
+    msg: str  # what happened, for people
+    by_peer: bool  # True when the peer closed (its ERROR or EOF), False when this side did
+
+
+class LocalProtocolError(ProtocolError):
+    """This side tried to send something the protocol does not allow; nothing was sent."""
+
+
+def auth_proof(secret: bytes, prover: str, client_nonce: bytes, server_nonce: bytes,
+               client_id: str, server_id: str) -> bytes:
+    """HMAC-SHA256 proof that `prover` ("client" or "server") holds the secret, bound to
+    this connection's nonces and node ids (exact layout in docs/protocol.md)."""
+    cid, sid = client_id.encode(), server_id.encode()
+    # the prover's role is inside the MAC so a peer cannot reflect our own proof back to us;
+    # ids are length-prefixed so no two (client_id, server_id) pairs give the same bytes
+    data = b"".join([AUTH_LABEL, b"\x00", prover.encode(), b"\x00", client_nonce, server_nonce,
+                     len(cid).to_bytes(2, "big"), cid, len(sid).to_bytes(2, "big"), sid])
+    return hmac.new(secret, data, hashlib.sha256).digest()
+
+
+@dataclass
+class _Request:
+    """One open FETCH, as either side tracks it."""
+
+    n: int  # how many chunks (keys) it asks for
+    done: set[int] = field(default_factory=set)  # chunk indices sent (server) or received
+    cancelling: bool = False  # fetcher sent CANCEL; chunks still in flight are dropped
+
+
+class Connection:
+    """One peer connection, either role. Feed it bytes with receive_data(), send with send(),
+    write out data_to_send(), and drain next_event() after each call."""
+
+    def __init__(self, role: str, node_id: str, secret: bytes, *,
+                 max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES, caps: dict | None = None,
+                 nonce_source: Callable[[int], bytes] = os.urandom):
+        if role not in ("client", "server"):
+            raise ValueError(f"role must be 'client' or 'server', got {role!r}")
+        if not secret:
+            raise ValueError("the cluster secret must not be empty")
+        check_node_id(node_id)
+        self.role = role
+        self.node_id = node_id
+        self.max_frame_bytes = max_frame_bytes
+        self.state = State.HELLO_SENT
+        self.peer_node_id: str | None = None
+        self.peer_caps: dict | None = None
+        self.rtt: float | None = None  # seconds, from the latest PONG to our PING
+        self.last_activity: float | None = None  # `now` of the latest receive_data() or send()
+        self.fetching: dict[int, _Request] = {}  # our open FETCHes, by req
+        self.serving: dict[int, _Request] = {}  # the peer's open FETCHes, by req
+        self._secret = secret
+        self._nonce = nonce_source(NONCE_BYTES)
+        if len(self._nonce) != NONCE_BYTES:
+            raise ValueError(f"nonce_source must return {NONCE_BYTES} bytes")
+        self._peer_nonce = b""
+        self._last_req_sent = -1
+        self._last_req_received = -1
+        self._decoder = frames.FrameDecoder(min(HANDSHAKE_MAX_FRAME_BYTES, max_frame_bytes))
+        self._out: list[bytes | memoryview] = []
+        self._events: collections.deque[Event] = collections.deque()
+        self._queue(Hello(PROTO, node_id, dict(caps or {}), self._nonce))
+
+    # -- the public face -------------------------------------------------------------------
+
+    def receive_data(self, data: bytes, now: float) -> None:
+        """Bytes from the peer, split anywhere; b"" is a no-op (EOF is receive_eof())."""
+        if self.state is State.CLOSED or not data:
+            return
+        self.last_activity = now
+        self._decoder.feed(data)
+        while self.state is not State.CLOSED:
+            try:
+                frame = self._decoder.next_frame()
+            except ProtocolError as e:
+                self._fail(e.code, e.msg)
+                return
+            if frame is None:
+                return
+            self._receive_frame(*frame, now)
+
+    def receive_eof(self, now: float) -> None:
+        """The peer's side of the transport is gone (EOF or reset); a no-op once CLOSED."""
+        if self.state is State.CLOSED:
+            return
+        self.last_activity = now
+        partial = self._decoder.buffered
+        tail = f", {partial} bytes into an unfinished frame" if partial else ""
+        self._closed(CONNECTION_LOST,
+                     f"peer closed the connection in state {self.state.value}{tail}", True)
+
+    def send(self, msg: Message, now: float) -> int:
+        """Queue a message; returns its wire size in bytes. Raises LocalProtocolError (and
+        queues nothing) if the protocol does not allow it now."""
+        if self.state is not State.READY:
+            raise LocalProtocolError(UNEXPECTED_MESSAGE,
+                                     f"cannot send {msg.TYPE} in state {self.state.value}")
+        self._check_send(msg)
+        self.last_activity = now
+        return self._queue(msg)
+
+    def ping(self, now: float) -> int:
+        """Send a PING stamped with `now`; the PONG sets `rtt`."""
+        return self.send(Ping(now), now)
+
+    def next_request_id(self) -> int:
+        """The req to use for our next FETCH."""
+        return self._last_req_sent + 1
+
+    def close(self, code: str = NORMAL, msg: str = "") -> None:
+        """Queue an ERROR telling the peer why, and go CLOSED. A no-op once CLOSED."""
+        if self.state is State.CLOSED:
+            return
+        self._queue(Error(code, msg))
+        self._closed(code, msg, False)
+
+    def data_to_send(self) -> bytes:
+        """Everything queued for the peer since the last call, as one buffer."""
+        out, self._out = self._out, []
+        return b"".join(out)
+
+    def next_event(self) -> Event | None:
+        """The oldest event not yet returned, or None."""
+        return self._events.popleft() if self._events else None
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def _receive_frame(self, wire: dict, size: int, now: float) -> None:
+        try:
+            msg = from_wire(wire)
+        except ProtocolError as e:
+            if e.code == UNKNOWN_TYPE and self.state is State.READY:
+                # forward compatible: a newer peer may try a type we lack; it learns and goes on
+                self._queue(Error(UNKNOWN_TYPE, f"{e.msg}; ignored"))
+                return
+            self._fail(e.code, e.msg)
+            return
+        if self.state is State.READY:
+            self._receive_ready(msg, size, now)
+            return
+        if isinstance(msg, Error):
+            # the peer refusing our HELLO or AUTH (version, auth_failed, ...)
+            self._closed(msg.code, msg.msg, True)
+            return
+        expected = {State.HELLO_SENT: Hello, State.AUTH_WAIT: Auth, State.AUTH_SENT: Auth}[self.state]
+        if not isinstance(msg, expected):
+            self._fail(UNEXPECTED_MESSAGE, f"{msg.TYPE} received before the handshake finished; "
+                                           f"only {expected.TYPE} is allowed now")
+        elif isinstance(msg, Hello):
+            self._receive_hello(msg)
+        else:
+            self._receive_auth(msg)
+
+    def _receive_hello(self, msg: Hello) -> None:
+        if msg.proto != PROTO:
+            self._fail(VERSION, f"peer speaks protocol {msg.proto}, this node speaks {PROTO}")
+            return
+        self.peer_node_id, self.peer_caps, self._peer_nonce = msg.node_id, msg.caps, msg.nonce
+        if self.role == "client":
+            self._queue(Auth(self._proof("client")))
+            self.state = State.AUTH_SENT
+        else:
+            # the server proves itself only after the client has, so an unauthenticated
+            # client never gets a MAC computed over a nonce it chose
+            self.state = State.AUTH_WAIT
+
+    def _receive_auth(self, msg: Auth) -> None:
+        prover = "server" if self.role == "client" else "client"
+        if not hmac.compare_digest(msg.proof, self._proof(prover)):
+            self._fail(AUTH_FAILED, f"the {prover}'s AUTH proof does not verify: it does not hold "
+                                    "this cluster's secret")
+            return
+        if self.role == "server":
+            self._queue(Auth(self._proof("server")))
+        self.state = State.READY
+        self._decoder.max_frame_bytes = self.max_frame_bytes
+        self._events.append(HandshakeComplete(self.peer_node_id, self.peer_caps))
+
+    def _receive_ready(self, msg: Message, size: int, now: float) -> None:
+        if isinstance(msg, (Hello, Auth)):
+            self._fail(UNEXPECTED_MESSAGE, f"{msg.TYPE} received after the handshake finished")
+            return
+        if isinstance(msg, Fetch):
+            if msg.req <= self._last_req_received:
+                self._fail(BAD_REQUEST, f"FETCH req {msg.req} is not above the previous FETCH "
+                                        f"req {self._last_req_received}")
+                return
+            self._last_req_received = msg.req
+            self.serving[msg.req] = _Request(len(msg.keys))
+        elif isinstance(msg, (Ack, Cancel)):
+            if msg.req > self._last_req_received:
+                self._fail(BAD_REQUEST, f"{msg.TYPE} for req {msg.req}, which was never "
+                                        "fetched")
+                return
+            r = self.serving.get(msg.req)
+            if r is None:
+                # we ended it and the peer sent this before seeing our END: a late CANCEL
+                # means nothing, but ACKs of the last chunks still time their delivery
+                if isinstance(msg, Cancel):
+                    return
+            elif isinstance(msg, Ack) and msg.i not in r.done:
+                self._fail(BAD_REQUEST, f"ACK for chunk {msg.i} of req {msg.req}, which was not "
+                                        "sent")
+                return
+        elif isinstance(msg, (Chunk, Text)):
+            r = self._own_request(msg)
+            if r is None or r.cancelling:
+                return  # a protocol violation (already handled), or in flight when we cancelled
+            if msg.i >= r.n:
+                self._fail(BAD_REQUEST, f"{msg.TYPE} i={msg.i} is out of range: req {msg.req} "
+                                        f"asked for {r.n} chunks")
+                return
+            if msg.i in r.done:
+                self._fail(BAD_REQUEST, f"{msg.TYPE} i={msg.i} of req {msg.req} arrived "
+                                        "twice")
+                return
+            if isinstance(msg, Chunk) and zlib.crc32(msg.payload) != msg.crc:
+                self._fail(BAD_CRC, f"CHUNK req={msg.req} i={msg.i}: crc32 of the "
+                                    f"{len(msg.payload)}-byte payload is not {msg.crc}")
+                return
+            r.done.add(msg.i)
+            # ACK on receipt, so the sender times delivery rather than its own socket buffer
+            self._queue(Ack(msg.req, msg.i, size))
+        elif isinstance(msg, End) or (isinstance(msg, Error) and msg.req is not None):
+            r = self._own_request(msg)
+            if r is None:
+                return
+            if isinstance(msg, End) and msg.status == "ok" and not r.cancelling and len(r.done) < r.n:
+                self._fail(BAD_REQUEST, f"END ok for req {msg.req} after only {len(r.done)} of "
+                                        f"{r.n} chunks")
+                return
+            del self.fetching[msg.req]
+        elif isinstance(msg, Error):
+            if msg.code != UNKNOWN_TYPE:
+                self._closed(msg.code, msg.msg, True)
+                return
+        elif isinstance(msg, Ping):
+            self._queue(Pong(msg.time))
+        elif isinstance(msg, Pong):
+            self.rtt = now - msg.time
+        self._events.append(MessageReceived(msg))
+
+    def _own_request(self, msg: Chunk | Text | End | Error) -> _Request | None:
+        r = self.fetching.get(msg.req)
+        if r is None:
+            self._fail(BAD_REQUEST, f"{msg.TYPE} for req {msg.req}, which is not an open FETCH "
+                                    "of this side")
+        return r
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _check_send(self, msg: Message) -> None:
+        def refuse(code: str, why: str) -> None:
+            raise LocalProtocolError(code, f"cannot send {msg.TYPE}: {why}")
+
+        if isinstance(msg, (Hello, Auth)):
+            refuse(UNEXPECTED_MESSAGE, "the handshake is run by the connection itself")
+        elif isinstance(msg, Ack):
+            refuse(UNEXPECTED_MESSAGE, "ACKs are sent by the connection as chunks arrive")
+        elif isinstance(msg, Fetch):
+            if msg.req <= self._last_req_sent:
+                refuse(BAD_REQUEST, f"req {msg.req} is not above the previous FETCH req "
+                                    f"{self._last_req_sent}; use next_request_id()")
+            self._last_req_sent = msg.req
+            self.fetching[msg.req] = _Request(len(msg.keys))
+        elif isinstance(msg, Cancel):
+            if msg.req not in self.fetching:
+                refuse(BAD_REQUEST, f"req {msg.req} is not an open FETCH of this side")
+            self.fetching[msg.req].cancelling = True
+        elif isinstance(msg, (Chunk, Text, End)) or (isinstance(msg, Error) and msg.req is not None):
+            r = self.serving.get(msg.req)
+            if r is None:
+                refuse(BAD_REQUEST, f"req {msg.req} is not an open FETCH of the peer")
+            if isinstance(msg, (Chunk, Text)):
+                if msg.i >= r.n or msg.i in r.done:
+                    refuse(BAD_REQUEST, f"chunk {msg.i} of req {msg.req} is out of range "
+                                        f"(0..{r.n - 1}) or already sent")
+                r.done.add(msg.i)
+            else:
+                if isinstance(msg, End) and msg.status == "ok" and len(r.done) < r.n:
+                    refuse(BAD_REQUEST, f"status ok for req {msg.req} after only {len(r.done)} "
+                                        f"of {r.n} chunks")
+                del self.serving[msg.req]
+        elif isinstance(msg, Error):
+            refuse(UNEXPECTED_MESSAGE, "a connection-level ERROR closes the connection; use close()")
+
+    def _queue(self, msg: Message) -> int:
+        parts, size = frames.encode_parts(to_wire(msg))
+        self._out.extend(parts)
+        return size
+
+    def _proof(self, prover: str) -> bytes:
+        if self.role == "client":
+            cn, sn, cid, sid = self._nonce, self._peer_nonce, self.node_id, self.peer_node_id
+        else:
+            cn, sn, cid, sid = self._peer_nonce, self._nonce, self.peer_node_id, self.node_id
+        return auth_proof(self._secret, prover, cn, sn, cid, sid)
+
+    def _fail(self, code: str, msg: str) -> None:
+        # a broken rule: tell the peer what and where, then stop; nothing after this counts
+        msg = f"{msg} (state {self.state.value})"
+        self._queue(Error(code, msg))
+        self._closed(code, msg, False)
+
+    def _closed(self, code: str, msg: str, by_peer: bool) -> None:
+        self.state = State.CLOSED
+        self._events.append(ConnectionClosed(code, msg, by_peer))
