@@ -22,6 +22,20 @@ def _bench_codec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_stream(args: argparse.Namespace) -> int:
+    from .bench import stream as bench
+
+    bandwidths = [float(b.lower().removesuffix("mbit")) for b in args.bandwidth]
+    report = bench.run(bandwidths, tokens=args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
+                       trace_file=args.trace, n_traces=args.traces, methods=args.methods, json_path=args.json)
+    print()
+    print(f"{report['tokens']}-token context, deadline {report['deadline_ms']} ms")
+    print(bench.table(report))
+    if args.json:
+        print(f"\nJSON written to {args.json}")
+    return 0
+
+
 def _profile_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -56,6 +70,17 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", default="bench-out/codec.json")
     bc.add_argument("--plot", default="bench-out/codec_rate_quality.png")
     bc.set_defaults(func=_bench_codec)
+
+    bs = bsub.add_parser("stream", help="real chunks over a shaped link between two network namespaces")
+    bs.add_argument("--bandwidth", nargs="+", default=["100mbit"], help="e.g. 20mbit 100mbit 500mbit")
+    bs.add_argument("--tokens", type=int, default=4096)
+    bs.add_argument("--runs", type=int, default=3, help="runs per method and bandwidth (the median is kept)")
+    bs.add_argument("--deadline-ms", type=int, default=None, help="default: 500 ms per 1024 tokens")
+    bs.add_argument("--trace", help="a bandwidth trace file (one Mbit/s per chunk per line)")
+    bs.add_argument("--traces", type=int, default=0, help="also run this many generated CacheGen-style traces")
+    bs.add_argument("--methods", nargs="+", default=None)
+    bs.add_argument("--json", default="bench-out/stream.json")
+    bs.set_defaults(func=_bench_stream)
 
     prof = sub.add_parser("profile", help="codec profiles")
     psub = prof.add_subparsers(dest="profile", required=True)

@@ -1,0 +1,175 @@
+"""The two ends of one `kvstreamd bench stream` run, each a process on its own test host:
+`serve` streams a prepared context's chunks with a method's level choice (reshaping its
+link per chunk when given a trace); `fetch` asks for the context, decodes chunks in a process
+pool as they land (recomputing TEXT chunks with the real model) and prints one JSON line."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from transport import aio
+from transport.bandwidth import BandwidthEstimator, Probe
+from transport.policy import DPPL, TEXT, Choice, adaptive_rule, cachegen_rule
+from transport.sender import StreamSender
+
+METHODS = ["fp16", "int8", "text", "cachegen-rule", "adaptive"]
+ADAPTIVE_LEVELS = ["fp16", "int8", "high", "balanced", "fast", TEXT]  # what the rules may pick from
+CACHEGEN_LEVELS = ["high", "balanced", "fast", TEXT]  # CacheGen's ladder: its levels plus text
+
+
+def fixed(level: str):
+    def rule(_situation) -> Choice:
+        return Choice(level, 0.0, f"method sends every chunk as {level}")
+    return rule
+
+
+def rule_and_levels(method: str):
+    if method == "cachegen-rule":
+        return cachegen_rule, CACHEGEN_LEVELS
+    if method == "adaptive":
+        return adaptive_rule, ADAPTIVE_LEVELS
+    return fixed(method), [method]
+
+
+def load(data_dir: Path) -> tuple[dict, dict[str, list[bytes]]]:
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    payloads = {lv: [(data_dir / f"chunk{c['i']}.{lv}").read_bytes() for c in manifest["chunks"]]
+                for lv in manifest["levels"]}
+    return manifest, payloads
+
+
+def receiver_work(manifest: dict) -> dict[str, float]:
+    """Receiver seconds per chunk at each level, as measured when the data was prepared."""
+    chunks = manifest["chunks"]
+    work = {lv: statistics.median(c["decode_s"][lv] for c in chunks) for lv in manifest["levels"]}
+    work[TEXT] = statistics.median(c["recompute_s"] for c in chunks)
+    return work
+
+
+def set_rate(dev: str, mbit: float) -> None:
+    rate_bytes = mbit * 1e6 / 8
+    subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+                    "burst", str(max(16_000, int(rate_bytes * 0.004))), "latency", "200ms"], check=True)
+
+
+async def serve(args) -> None:
+    manifest, payloads = load(Path(args.dir))
+    rule, levels = rule_and_levels(args.method)
+    work = receiver_work(manifest)
+    dppl = {**DPPL, **json.loads(args.dppl)} if args.dppl else DPPL
+    trace = [float(x) for x in Path(args.trace).read_text().split()] if args.trace else None
+    n = len(manifest["chunks"])
+    done = asyncio.get_running_loop().create_future()
+
+    async def handler(stream: aio.Stream, fetch) -> None:
+        loop = asyncio.get_running_loop()
+        sizes = {lv: [len(p) for p in payloads[lv]] if lv != TEXT else [3 * len(c["tokens"]) for c in manifest["chunks"]]
+                 for lv in levels}
+        estimator = BandwidthEstimator()
+        if trace:
+            set_rate(args.dev, trace[0])
+        if estimator.needs_probe:
+            probe = Probe()
+            rtt = await stream.peer.ping()
+            sent_at, acked_at = await stream.peer.probe(probe.size)
+            probe.record(estimator, sent_at, acked_at, rtt=rtt)
+        sender = StreamSender(fetch.req, n, sizes, fetch.deadline_ms, loop.time(), rule, estimator,
+                              {lv: work[lv] for lv in levels}, dppl)
+        while (nxt := sender.next_chunk(loop.time())) is not None:
+            i, level = nxt
+            if trace:
+                set_rate(args.dev, trace[i % len(trace)])
+            sent_at = loop.time()
+            if level == TEXT:
+                nbytes = await stream.send_text(i, manifest["chunks"][i]["tokens"])
+            else:
+                nbytes = await stream.send_chunk(i, level, payloads[level][i])
+            ack, acked_at = await stream.acks.get()
+            sender.on_ack(ack.i, nbytes, sent_at, acked_at)
+        await stream.end(deadline_missed=sender.deadline_missed(loop.time()))
+        if not done.done():
+            done.set_result([c.reason for c in sender.choices])
+
+    server = await aio.serve(args.host, args.port, "bench-sender", bytes.fromhex(args.secret), handler)
+    print("ready", flush=True)
+    reasons = await done
+    print(json.dumps({"reasons": reasons}), flush=True)
+    server.close()
+
+
+async def fetch(args) -> None:
+    from codec import baselines
+    from codec.parallel import CodecPool
+
+    from kvstreamd import models
+
+    manifest = json.loads((Path(args.dir) / "manifest.json").read_text())
+    # Loaded before the clock starts: a serving host has its model loaded already.
+    lm = models.load() if args.method in ("text", "cachegen-rule", "adaptive") else None
+    _, levels = rule_and_levels(args.method)
+    with CodecPool() as pool:
+        loop = asyncio.get_running_loop()
+        peer = await aio.connect(args.addr, args.port, "bench-receiver", bytes.fromhex(args.secret))
+        keys = [f"chunk{c['i']}".encode() for c in manifest["chunks"]]
+        t0 = loop.time()
+        stream = peer.fetch(keys, args.deadline_ms, levels)
+        decoded: list[asyncio.Future] = []
+        got, nbytes = [], 0
+
+        def decode(msg) -> torch.Tensor:
+            if msg.level in baselines.SCHEMES:
+                return baselines.SCHEMES[msg.level].decode(msg.payload)
+            return pool.decode(msg.payload)
+
+        async def recompute(i: int, tokens: list[int]) -> torch.Tensor:
+            prior = [await f for f in decoded[:i]]
+            kv = torch.cat(prior, 2).float() if prior else None
+            _, full = await asyncio.to_thread(models.prefill, lm, tokens, kv, all_logits=False)
+            return full[:, :, full.shape[2] - len(tokens):]
+
+        async for msg in stream:
+            if hasattr(msg, "payload"):
+                nbytes += len(msg.payload)
+                got.append(msg.level)
+                decoded.append(asyncio.ensure_future(asyncio.to_thread(decode, msg)))
+            else:
+                nbytes += 3 * len(msg.tokens)
+                got.append(TEXT)
+                decoded.append(asyncio.ensure_future(recompute(msg.i, msg.tokens)))
+        kv = [await f for f in decoded]
+        seconds = loop.time() - t0
+        shapes_ok = all(k.shape[2] == len(c["tokens"]) for k, c in zip(kv, manifest["chunks"]))
+        peer.close()
+    print(json.dumps({"seconds": seconds, "levels": got, "bytes": nbytes, "complete": shapes_ok,
+                      "deadline_missed": bool(stream.end.deadline_missed) if stream.end else None}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvstreamd.bench.stream_peer")
+    p.add_argument("role", choices=["serve", "fetch"])
+    p.add_argument("--dir", required=True)
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--secret", required=True, help="hex")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--addr")
+    p.add_argument("--port", type=int, default=9400)
+    p.add_argument("--deadline-ms", type=int, default=10_000)
+    p.add_argument("--trace")
+    p.add_argument("--dev")
+    p.add_argument("--dppl", help="JSON map level -> measured Δppl %%")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    aio.run(serve(args) if args.role == "serve" else fetch(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

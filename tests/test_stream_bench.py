@@ -1,0 +1,45 @@
+"""Real chunks of the real model between two test hosts over a shaped link: the sender's
+level choice responds to the link and the deadline, and the receiver ends with the whole
+context's KV (decoded, or recomputed from TEXT)."""
+from __future__ import annotations
+
+import pytest
+
+from kvstreamd import netlab
+from kvstreamd.bench import stream, stream_data
+
+ok, why = netlab.available()
+pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
+
+DPPL = {"fp16": 0.0, "int8": 0.0, "high": 0.0, "balanced": 0.22, "fast": 1.86, "text": 0.0}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("streamdata")
+    stream_data.prepare(d, tokens=512, chunk_tokens=256, log=lambda _m: None)
+    return d
+
+
+def test_fast_link_and_loose_deadline_get_lossless_levels(data_dir):
+    with netlab.Link(rate_mbit=500) as link:
+        r = stream.one_run(link, data_dir, "adaptive", deadline_ms=20_000, dppl=DPPL)
+    assert r["complete"] and len(r["levels"]) == 2
+    assert all(DPPL[lv] == 0 for lv in r["levels"])
+    assert r["deadline_missed"] is False
+
+
+def test_slow_link_and_tight_deadline_get_smaller_levels(data_dir):
+    with netlab.Link(rate_mbit=8) as link:
+        r = stream.one_run(link, data_dir, "adaptive", deadline_ms=1500, dppl=DPPL)
+    assert r["complete"] and len(r["levels"]) == 2
+    fp16_bytes = 2 * 256 * 11_520 * 2
+    assert r["bytes"] < fp16_bytes / 4  # entropy-coded levels or text, not raw KV
+    assert set(r["levels"]) <= {"high", "balanced", "fast", "text"}
+
+
+def test_text_method_has_the_receiver_recompute_every_chunk(data_dir):
+    with netlab.Link(rate_mbit=100) as link:
+        r = stream.one_run(link, data_dir, "text", deadline_ms=20_000, dppl=DPPL)
+    assert r["levels"] == ["text", "text"] and r["complete"]
+    assert r["bytes"] < 10_000
