@@ -73,8 +73,15 @@ def test_a_noisy_round_trip_at_most_halves_the_probe_time():
 
 
 def test_an_ack_before_its_send_is_an_error():
-    with pytest.raises(ValueError, match="not after"):
+    with pytest.raises(ValueError, match="before the send"):
         BandwidthEstimator().add(1_000_000, 2.0, 1.0)
+
+
+def test_a_delivery_within_one_clock_tick_counts_as_one_tick():
+    est = BandwidthEstimator()
+    assert est.add(100_000, 5.0, 5.0)  # uvloop's clock: millisecond ticks
+    assert est.estimate() == pytest.approx(100_000 / 1e-3)
+    assert not est.add(3_000, 5.0, 5.0)  # a TEXT chunk: too small to say anything, not an error
 
 
 def test_each_peer_keeps_its_own_history_and_the_oldest_peer_is_forgotten():

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 # A delivery this small measures round-trip latency rather than bandwidth (a TEXT chunk is
 # ~3 KiB), so it must not drag the estimate down.
 MIN_SAMPLE_BYTES = 64 * 1024
+CLOCK_TICK = 1e-3  # seconds: the coarsest event-loop clock a sender may time with
 
 
 class BandwidthEstimator:
@@ -26,11 +27,13 @@ class BandwidthEstimator:
 
     def add(self, nbytes: int, sent_at: float, acked_at: float) -> bool:
         """Record one delivery; returns whether it counted (small ones do not)."""
-        if acked_at <= sent_at:
-            raise ValueError(f"ack at {acked_at} is not after the send started at {sent_at}")
+        if acked_at < sent_at:
+            raise ValueError(f"ack at {acked_at} is before the send started at {sent_at}")
         if nbytes < self.min_bytes:
             return False
-        self._rates.append(nbytes / (acked_at - sent_at))
+        # Event-loop clocks tick in milliseconds (uvloop): a delivery inside one tick took at
+        # most one tick, so count it as that rather than as infinitely fast.
+        self._rates.append(nbytes / max(acked_at - sent_at, CLOCK_TICK))
         return True
 
     @property

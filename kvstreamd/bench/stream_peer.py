@@ -74,6 +74,11 @@ async def serve(args) -> None:
         sizes = {lv: [len(p) for p in payloads[lv]] if lv != TEXT else [3 * len(c["tokens"]) for c in manifest["chunks"]]
                  for lv in levels}
         estimator = BandwidthEstimator()
+        receiver = dict(work)
+        if fetch.decode_mbps:
+            # The receiver's own word on its entropy-decode speed beats our measurement.
+            chunk_mb = manifest["chunks"][0]["bytes"]["fp16"] / 1e6  # the fp16 KV a chunk decodes to
+            receiver.update({lv: chunk_mb / fetch.decode_mbps for lv in ("high", "balanced", "fast")})
         if trace:
             set_rate(args.dev, trace[0])
         if estimator.needs_probe:
@@ -82,7 +87,7 @@ async def serve(args) -> None:
             sent_at, acked_at = await stream.peer.probe(probe.size)
             probe.record(estimator, sent_at, acked_at, rtt=rtt)
         sender = StreamSender(fetch.req, n, sizes, fetch.deadline_ms, loop.time(), rule, estimator,
-                              {lv: work[lv] for lv in levels}, dppl)
+                              {lv: receiver[lv] for lv in levels}, dppl)
         while (nxt := sender.next_chunk(loop.time())) is not None:
             i, level = nxt
             if trace:
@@ -120,7 +125,11 @@ async def fetch(args) -> None:
         peer = await aio.connect(args.addr, args.port, "bench-receiver", bytes.fromhex(args.secret))
         keys = [f"chunk{c['i']}".encode() for c in manifest["chunks"]]
         t0 = loop.time()
-        stream = peer.fetch(keys, args.deadline_ms, levels)
+        # Tell the sender how fast this host decodes entropy-coded chunks (its pool, measured
+        # when the data was prepared), so it can weigh decode time against link time.
+        chunk_mb = manifest["chunks"][0]["bytes"]["fp16"] / 1e6
+        decode_mbps = chunk_mb / statistics.median(c["decode_s"]["balanced"] for c in manifest["chunks"])
+        stream = peer.fetch(keys, args.deadline_ms, levels, decode_mbps=decode_mbps)
         decoded: list[asyncio.Future] = []
         got, nbytes = [], 0
 
