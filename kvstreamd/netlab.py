@@ -27,6 +27,15 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def remove_stale() -> None:
+    """Delete the namespaces of links whose process is gone (killed before its cleanup ran)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listing:
+        if name.startswith("kvs") and name[-1:] in ("a", "b") and name[3:-1].isdigit():
+            if not os.path.exists(f"/proc/{int(name[3:-1])}"):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def _run(*argv: str) -> None:
     done = subprocess.run(list(argv), capture_output=True, text=True)
     if done.returncode != 0:
@@ -38,7 +47,7 @@ class Link:
     """Hosts `a` (192.0.2.1) and `b` (192.0.2.2), each in its own namespace, joined by a veth
     pair. `shape(mbit)` limits both directions; call it again to change the rate mid-run."""
 
-    tag: str = field(default_factory=lambda: f"kvs{os.getpid() % 100000}")
+    tag: str = field(default_factory=lambda: f"kvs{os.getpid()}")
     rate_mbit: float | None = None
 
     @property
@@ -54,6 +63,7 @@ class Link:
         return {"a": f"{SUBNET}.1", "b": f"{SUBNET}.2"}
 
     def up(self) -> "Link":
+        remove_stale()
         for side in "ab":
             _run("ip", "netns", "add", self.ns[side])
         try:

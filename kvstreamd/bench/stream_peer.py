@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -175,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dev")
     p.add_argument("--dppl", help="JSON map level -> measured Δppl %%")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    # The sender only moves bytes; the receiver recomputes TEXT chunks with every core, as a
+    # serving host would (its decode pool has processes of its own).
+    torch.set_num_threads(1 if args.role == "serve" else (os.cpu_count() or 1))
     aio.run(serve(args) if args.role == "serve" else fetch(args))
     return 0
 
