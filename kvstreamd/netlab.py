@@ -36,6 +36,13 @@ def remove_stale() -> None:
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+def tbf(mbit: float) -> list[str]:
+    """tc arguments of the shaper: a token bucket at `mbit` holding ~1 ms of traffic (at least
+    a few packets), so the rate holds on short transfers (a probe) too."""
+    burst = max(16_000, int(mbit * 1e6 / 8 * 0.001))
+    return ["tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms"]
+
+
 def _run(*argv: str) -> None:
     done = subprocess.run(list(argv), capture_output=True, text=True)
     if done.returncode != 0:
@@ -82,13 +89,9 @@ class Link:
         return self
 
     def shape(self, mbit: float) -> None:
-        """Token-bucket limit on both directions; the bucket holds ~4 ms of traffic (at least
-        a few packets), so the rate holds on short transfers too."""
-        rate_bytes = mbit * 1e6 / 8
-        burst = max(16_000, int(rate_bytes * 0.004))
+        """Token-bucket limit (see tbf) on both directions."""
         for side in "ab":
-            _run("tc", "-n", self.ns[side], "qdisc", "replace", "dev", self.dev[side], "root", "tbf",
-                 "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms")
+            _run("tc", "-n", self.ns[side], "qdisc", "replace", "dev", self.dev[side], "root", *tbf(mbit))
         self.rate_mbit = mbit
 
     def unshape(self) -> None:

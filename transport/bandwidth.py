@@ -58,7 +58,9 @@ class Probe:
     """An active measurement before the first chunk to a peer with no history: send `size`
     bytes (padding the receiver acknowledges), and time them from write start to the ack."""
 
-    size: int = 256 * 1024  # 0.4 s at 5 Mbit/s, 4 ms at 500 Mbit/s
+    # 0.8 s at 5 Mbit/s, 8 ms at 500 Mbit/s: large enough that a shaper's burst allowance or a
+    # socket buffer does not make it look like line rate, small next to a chunk.
+    size: int = 512 * 1024
 
     def record(self, estimator: BandwidthEstimator, sent_at: float, acked_at: float,
                rtt: float = 0.0) -> float:
@@ -66,9 +68,9 @@ class Probe:
 
         A probe is small, so one round trip (from PING/PONG) is a visible part of its time and
         is taken off; at most half the time goes, so a noisy RTT cannot blow the rate up."""
-        elapsed = acked_at - sent_at
-        if elapsed <= 0:
-            raise ValueError(f"probe ack at {acked_at} is not after its send at {sent_at}")
+        if acked_at < sent_at:
+            raise ValueError(f"probe ack at {acked_at} is before its send at {sent_at}")
+        elapsed = max(acked_at - sent_at, CLOCK_TICK)  # see BandwidthEstimator.add
         transfer = max(elapsed - rtt, elapsed / 2)
         if not estimator.add(self.size, acked_at - transfer, acked_at):
             raise ValueError(f"a probe of {self.size} bytes is under the estimator's "

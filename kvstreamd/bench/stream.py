@@ -75,6 +75,12 @@ def _summary(method: str, bw: float | None, tokens: int, runs: list[dict], dppl:
     return out
 
 
+def _save(json_path: str | None, report: dict) -> None:
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2))
+
+
 def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms: int | None = None,
         trace_file: str | None = None, n_traces: int = 0, methods: list[str] | None = None,
         trace_deadline_ms: int | None = None, json_path: str | None = None, log=print) -> dict:
@@ -100,6 +106,7 @@ def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms:
                 log(f"  {bw:5g} Mbit/s {method:14s} {r['seconds']:7.2f} s  dppl {r['dppl_pct']:.2f}%  "
                     f"levels {' '.join(r['levels'])}")
                 results.append(r)
+                _save(json_path, {"tokens": tokens, "deadline_ms": deadline_ms, "results": results, "partial": True})
     trace_list = []
     if trace_file:
         trace_list.append(("file", tracegen.load(trace_file)))
@@ -124,9 +131,7 @@ def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms:
                                        "mean_dppl_pct": round(statistics.mean(r["dppl_pct"] for r in trace_results
                                                                               if r["method"] == m), 3)}
                                    for m in ("cachegen-rule", "adaptive")}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    _save(json_path, report)
     return report
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvstreamd import netlab
 from transport import aio
 from transport.bandwidth import BandwidthEstimator, Probe
 from transport.policy import DPPL, TEXT, Choice, adaptive_rule, cachegen_rule
@@ -55,9 +56,8 @@ def receiver_work(manifest: dict) -> dict[str, float]:
 
 
 def set_rate(dev: str, mbit: float) -> None:
-    rate_bytes = mbit * 1e6 / 8
-    subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                    "burst", str(max(16_000, int(rate_bytes * 0.004))), "latency", "200ms"], check=True)
+    """Reshape this host's side of the link (the sender runs inside its namespace, as root)."""
+    subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", *netlab.tbf(mbit)], check=True)
 
 
 async def serve(args) -> None:
