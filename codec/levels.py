@@ -33,7 +33,8 @@ class Level:
 
 OURS = bs.UNROTATE_KEYS | bs.PCA | bs.SINK
 
-# Scales chosen by measurement on wikitext-2 valid.txt (kvstreamd profile calibrate), never test.txt.
+# A calibrated profile carries its own scale per level (tuned on valid.txt by `kvstreamd profile
+# calibrate`, never on test.txt) and that wins; these scales serve a profile without that table.
 LEVELS: dict[str, Level] = {
     "high": Level("high", 1, OURS, scale=1.0),
     "balanced": Level("balanced", 2, OURS, scale=1.8),

@@ -26,8 +26,8 @@ SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:hig
 
 
 class _Ours:
-    def __init__(self, level: str, profile, pool: CodecPool | None):
-        self.level, self.profile, self.pool = level, profile, pool
+    def __init__(self, level: str, profile):
+        self.level, self.profile = level, profile
 
     def encode(self, kv, start):
         return codec.encode(kv, self.level, self.profile, start=start)
@@ -38,7 +38,7 @@ class _Ours:
 
 class _Baseline:
     def __init__(self, scheme):
-        self.scheme, self.pool = scheme, None
+        self.scheme = scheme
 
     def encode(self, kv, start):
         return self.scheme.encode(kv)
@@ -47,10 +47,10 @@ class _Baseline:
         return self.scheme.decode(data)
 
 
-def _coder(name: str, profile, pool):
+def _coder(name: str, profile):
     if name in baselines.SCHEMES:
         return _Baseline(baselines.SCHEMES[name])
-    return _Ours(name.split(":", 1)[-1], profile, pool)
+    return _Ours(name.split(":", 1)[-1], profile)
 
 
 def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_tokens: int = 1024,
@@ -72,7 +72,7 @@ def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_to
     workers = os.cpu_count() or 1
     with CodecPool(workers) as pool:
         for name in schemes:
-            coder = _coder(name, profile, pool)
+            coder = _coder(name, profile)
             nbytes = elements = 0
             enc_rates, dec_rates, pool_enc, pool_dec = [], [], [], []
             ppls, kls, top1 = [], [], []
