@@ -1,5 +1,5 @@
-"""The `kvstreamd` command: benchmarks and profile calibration (the daemon's commands join
-as they are built)."""
+"""The `kvstreamd` command: run the daemon, talk to a running one over its Unix socket
+(status, contexts, peers, put, fetch), benchmarks and profile calibration."""
 from __future__ import annotations
 
 import argparse
@@ -55,9 +55,120 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from . import daemon
+    return daemon.run(args.config)
+
+
+def _client(args: argparse.Namespace):
+    from .client import Client
+    return Client(args.socket)
+
+
+def _print(obj) -> None:
+    import json
+    print(json.dumps(obj, indent=2, sort_keys=False))
+
+
+def _guard(fn):
+    def wrapped(args: argparse.Namespace) -> int:
+        from .client import ClientError
+        try:
+            return fn(args)
+        except ClientError as e:
+            print(f"kvstreamd: {e}", file=sys.stderr)
+            return 1
+    return wrapped
+
+
+@_guard
+def _status(args: argparse.Namespace) -> int:
+    _print(_client(args).status())
+    return 0
+
+
+@_guard
+def _contexts(args: argparse.Namespace) -> int:
+    ctxs = _client(args).contexts()
+    if args.json:
+        _print(ctxs)
+        return 0
+    print(f"{'key':18} {'model':45} {'tokens':>7} {'chunks':>6} {'MB':>8}")
+    for c in ctxs:
+        print(f"{c['key'][:16]:18} {c['model_id'][:45]:45} {c['tokens']:>7} {c['chunks']:>6} {c['bytes'] / 1e6:>8.2f}"
+              + ("" if c["complete"] else "  (partial)"))
+    return 0
+
+
+@_guard
+def _peers(args: argparse.Namespace) -> int:
+    _print(_client(args).peers())
+    return 0
+
+
+def _text_tokens(args: argparse.Namespace):
+    from . import models
+    lm = models.load()
+    text = Path(args.file).read_text()
+    tokens = lm.tokenizer.encode(text)
+    if args.tokens:
+        tokens = tokens[:args.tokens]
+    return lm, models, tokens
+
+
+@_guard
+def _put(args: argparse.Namespace) -> int:
+    """Prefill a text file with the real model and store its KV in the daemon."""
+    import time
+    lm, models, tokens = _text_tokens(args)
+    t0 = time.perf_counter()
+    _, kv = models.prefill(lm, tokens, all_logits=False)
+    prefill_s = time.perf_counter() - t0
+    reply = _client(args).put(lm.model_id, tokens, kv.to(getattr(__import__("torch"), args.dtype)))
+    _print({"tokens": len(tokens), "prefill_s": round(prefill_s, 3), **reply})
+    return 0
+
+
+@_guard
+def _fetch(args: argparse.Namespace) -> int:
+    """Fetch a text file's KV (longest prefix held locally or by peers) and report each chunk."""
+    lm, models, tokens = _text_tokens(args)
+    with _client(args).fetch(lm.model_id, tokens, args.deadline_ms) as f:
+        print(f"found {f.found_tokens} of {len(tokens)} tokens")
+        for ev in f:
+            print(f"  chunk {ev.i:3d} tokens {ev.start:6d}-{ev.end:<6d} {ev.kind:4} {ev.level:9} from {ev.source:12} "
+                  f"at {ev.t_ms:8.1f} ms" + (f"  ({ev.error})" if ev.error else ""))
+        _print(f.end)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstreamd", description="Move LLM KV caches between hosts.")
     sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the daemon (foreground; systemd runs it as a notify service)")
+    run.add_argument("--config", help="config file (default: $KVSTREAMD_CONFIG, /etc/kvstreamd/config.toml, "
+                                      "else built-in defaults)")
+    run.set_defaults(func=_run)
+
+    def talker(name: str, help: str, func):
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("--socket", help="the daemon's API socket (default: $KVSTREAMD_SOCKET or the default path)")
+        sp.set_defaults(func=func)
+        return sp
+
+    talker("status", "a running daemon's status", _status)
+    talker("contexts", "contexts a running daemon holds", _contexts).add_argument("--json", action="store_true")
+    talker("peers", "a running daemon's peers", _peers)
+    for name, func, helptext in (("put", _put, "prefill a text file with SmolLM2 and store its KV"),
+                                 ("fetch", _fetch, "fetch a text file's KV from the cluster")):
+        sp = talker(name, helptext, func)
+        sp.add_argument("file")
+        sp.add_argument("--tokens", type=int, default=0, help="only the first N tokens (0: all)")
+        if name == "put":
+            sp.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+        else:
+            sp.add_argument("--deadline-ms", type=int, default=None)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print tables")
     bsub = bench.add_subparsers(dest="bench", required=True)

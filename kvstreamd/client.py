@@ -1,0 +1,369 @@
+"""What a model process imports to talk to its local kvstreamd: put a context's KV, fetch a
+prompt's longest cached prefix chunk by chunk, and map the fetched KV zero-copy.
+
+    from kvstreamd.client import Client
+    c = Client()                                    # the default socket, or Client(path)
+    c.put(model_id, tokens, kv)                     # kv: [L, 2, T, H, D]; travels by shared memory
+    with c.fetch(model_id, prompt, deadline_ms=2000) as f:
+        for ev in f:                                # one event per chunk, as it lands
+            ...                                     # ev.kind == "kv": f.kv[:, :, ev.start:ev.end] is ready
+        kv = f.kv[:, :, :f.end["kv_tokens"]]        # text ranges (f.text_ranges) are the model's to recompute
+    # leaving the block releases the buffer; clone what must outlive it
+
+`AsyncClient` has the same methods as coroutines (fetch is an async iterator)."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import torch
+
+from .shm import Attached, Segment
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+class ClientError(Exception):
+    """The daemon answered with an error (`code`, `message`) or could not be reached."""
+
+    def __init__(self, code: str, message: str, status: int | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.status = code, message, status
+
+
+def default_socket() -> Path:
+    from .config import default_socket as ds
+    return Path(os.environ.get("KVSTREAMD_SOCKET") or ds(os.environ))
+
+
+@dataclass(frozen=True)
+class ChunkEvent:
+    i: int
+    start: int  # token positions [start, end) of the prompt
+    end: int
+    kind: str  # "kv": decoded into the buffer; "text": the model must recompute these tokens
+    level: str
+    source: str  # "local", the peer's node id, or "fallback"
+    t_ms: float  # since the fetch began
+    error: str | None = None
+
+
+def _raise_for(status: int, body: bytes) -> None:
+    try:
+        err = json.loads(body)["error"]
+        raise ClientError(err["code"], err["message"], status)
+    except (ValueError, KeyError, TypeError):
+        raise ClientError("http", f"HTTP {status}: {body[:200]!r}", status) from None
+
+
+class _FetchState:
+    """Shared by the sync and async fetch: the events, the buffer, its release."""
+
+    def __init__(self) -> None:
+        self.start: dict | None = None
+        self.end: dict | None = None
+        self.events: list[ChunkEvent] = []
+        self._att: Attached | None = None
+
+    def _on(self, ev: dict) -> ChunkEvent | None:
+        kind = ev.get("event")
+        if kind == "start":
+            self.start = ev
+            if ev["buffer"]:
+                self._att = Attached.open(ev["buffer"], tuple(ev["shape"]), ev["dtype"])
+            return None
+        if kind == "end":
+            self.end = ev
+            return None
+        if kind == "error":
+            raise ClientError(ev.get("code", "fetch_failed"), ev.get("message", "fetch failed"))
+        ce = ChunkEvent(ev["i"], ev["start"], ev["end"], ev["kind"], ev["level"], ev["source"], ev["t_ms"],
+                        ev.get("error"))
+        self.events.append(ce)
+        return ce
+
+    @property
+    def kv(self) -> torch.Tensor | None:
+        """[L, 2, found_tokens, H, D], zero-copy over the daemon's shared memory; None when nothing was found."""
+        return self._att.tensor if self._att is not None else None
+
+    @property
+    def found_tokens(self) -> int:
+        return self.start["found_tokens"] if self.start else 0
+
+    @property
+    def text_ranges(self) -> list[tuple[int, int]]:
+        return [(e.start, e.end) for e in self.events if e.kind == "text"]
+
+    def _detach(self) -> str | None:
+        if self._att is None:
+            return None
+        name = self.start["buffer"]
+        self._att.release()  # ShmError if the caller still holds views of kv
+        self._att = None
+        return name
+
+
+class Fetch(_FetchState):
+    def __init__(self, client: "Client", conn: http.client.HTTPConnection, resp: http.client.HTTPResponse):
+        super().__init__()
+        self._client, self._conn, self._resp = client, conn, resp
+        self._read_until_start()
+
+    def _lines(self) -> Iterator[dict]:
+        while line := self._resp.readline():
+            if line.strip():
+                yield json.loads(line)
+
+    def _read_until_start(self) -> None:
+        for ev in self._lines():
+            self._on(ev)
+            if self.start is not None:
+                return
+        raise ClientError("protocol", "the daemon closed the fetch before its start event")
+
+    def __iter__(self) -> Iterator[ChunkEvent]:
+        for ev in self._lines():
+            ce = self._on(ev)
+            if ce is not None:
+                yield ce
+        self._conn.close()
+        if self.end is None:
+            raise ClientError("fetch_interrupted", "the daemon closed the fetch before its end event")
+
+    def wait(self) -> dict:
+        """Consume every event; returns the end event."""
+        for _ in self:
+            pass
+        return self.end
+
+    def release(self) -> None:
+        """Unmap the buffer and tell the daemon it can go (views of kv must be dropped first)."""
+        name = self._detach()
+        self._conn.close()
+        if name:
+            self._client._call("DELETE", f"/v1/buffers/{name}", ok_missing=True)
+
+    def __enter__(self) -> "Fetch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float | None):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self._path)
+        except OSError as e:
+            s.close()
+            raise ClientError("unreachable", f"no kvstreamd at {self._path}: {e.strerror or e}") from None
+        self.sock = s
+
+
+class Client:
+    """Blocking client (one HTTP connection per call)."""
+
+    def __init__(self, socket_path: str | Path | None = None, timeout: float | None = 600.0):
+        self.path = str(socket_path or default_socket())
+        self.timeout = timeout
+
+    def _request(self, method: str, path: str, body: Any = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        conn = _UnixHTTPConnection(self.path, self.timeout)
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        return conn, conn.getresponse()
+
+    def _call(self, method: str, path: str, body: Any = None, ok_missing: bool = False) -> Any:
+        conn, resp = self._request(method, path, body)
+        try:
+            raw = resp.read()
+        finally:
+            conn.close()
+        if resp.status >= 400:
+            if ok_missing and resp.status == 404:
+                return None
+            _raise_for(resp.status, raw)
+        return json.loads(raw) if resp.headers.get_content_type() == "application/json" else raw.decode()
+
+    def health(self) -> dict:
+        return self._call("GET", "/healthz")
+
+    def status(self) -> dict:
+        return self._call("GET", "/v1/status")
+
+    def metrics(self) -> str:
+        return self._call("GET", "/metrics")
+
+    def contexts(self) -> list[dict]:
+        return self._call("GET", "/v1/contexts")["contexts"]
+
+    def delete_context(self, key: str) -> int:
+        return self._call("DELETE", f"/v1/contexts/{key}")["deleted_chunks"]
+
+    def peers(self) -> list[dict]:
+        return self._call("GET", "/v1/peers")["peers"]
+
+    def lookup(self, model_id: str, tokens: list[int]) -> dict:
+        return self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
+
+    def put(self, model_id: str, tokens: list[int], kv: torch.Tensor) -> dict:
+        """Store (model_id, tokens) with its KV [L, 2, T, H, D]; the KV crosses in a shared-memory
+        segment made for the call and removed after it."""
+        body, seg = _put_segment(model_id, tokens, kv)
+        with seg:
+            return self._call("POST", "/v1/contexts", body)
+
+    def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
+              dtype: torch.dtype | str = torch.float16) -> Fetch:
+        """Start a fetch; returns once the daemon has planned it (`found_tokens`, the buffer).
+        Iterate it for the chunk events; use it as a context manager to release the buffer."""
+        conn, resp = self._request("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype))
+        if resp.status >= 400:
+            raw = resp.read()
+            conn.close()
+            _raise_for(resp.status, raw)
+        return Fetch(self, conn, resp)
+
+
+def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor) -> tuple[dict, Segment]:
+    if kv.dtype not in DTYPE_NAMES:
+        raise ValueError(f"KV dtype {kv.dtype} is not one of {list(DTYPE_NAMES)}")
+    seg = Segment.create(kv.numel() * kv.element_size())
+    view = seg.tensor(tuple(kv.shape), DTYPE_NAMES[kv.dtype])
+    view.copy_(kv)
+    del view
+    return ({"model_id": model_id, "tokens": list(map(int, tokens)), "buffer": seg.name, "shape": list(kv.shape),
+             "dtype": DTYPE_NAMES[kv.dtype]}, seg)
+
+
+def _fetch_body(model_id, tokens, deadline_ms, dtype) -> dict:
+    body = {"model_id": model_id, "tokens": list(map(int, tokens)),
+            "dtype": DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype) else dtype}
+    if deadline_ms is not None:
+        body["deadline_ms"] = int(deadline_ms)
+    return body
+
+
+class AsyncFetch(_FetchState):
+    def __init__(self, client: "AsyncClient", resp) -> None:
+        super().__init__()
+        self._client, self._resp = client, resp
+
+    async def _next_event(self) -> dict | None:
+        while True:
+            line = await self._resp.content.readline()
+            if not line:
+                return None
+            if line.strip():
+                return json.loads(line)
+
+    async def _read_until_start(self) -> None:
+        while (ev := await self._next_event()) is not None:
+            self._on(ev)
+            if self.start is not None:
+                return
+        raise ClientError("protocol", "the daemon closed the fetch before its start event")
+
+    async def __aiter__(self) -> AsyncIterator[ChunkEvent]:
+        while (ev := await self._next_event()) is not None:
+            ce = self._on(ev)
+            if ce is not None:
+                yield ce
+        self._resp.release()
+        if self.end is None:
+            raise ClientError("fetch_interrupted", "the daemon closed the fetch before its end event")
+
+    async def wait(self) -> dict:
+        async for _ in self:
+            pass
+        return self.end
+
+    async def release(self) -> None:
+        name = self._detach()
+        self._resp.release()
+        if name:
+            await self._client._call("DELETE", f"/v1/buffers/{name}", ok_missing=True)
+
+    async def __aenter__(self) -> "AsyncFetch":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.release()
+
+
+class AsyncClient:
+    """asyncio client over one aiohttp session (close() it, or use `async with`)."""
+
+    def __init__(self, socket_path: str | Path | None = None, timeout: float | None = 600.0):
+        import aiohttp
+        self.path = str(socket_path or default_socket())
+        self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.path),
+                                              timeout=aiohttp.ClientTimeout(total=timeout))
+
+    async def _send(self, method: str, path: str, body: Any = None):
+        import aiohttp
+        try:
+            return await self._session.request(method, f"http://localhost{path}", json=body)
+        except aiohttp.ClientConnectionError as e:
+            raise ClientError("unreachable", f"no kvstreamd at {self.path}: {e}") from None
+
+    async def _call(self, method: str, path: str, body: Any = None, ok_missing: bool = False) -> Any:
+        async with await self._send(method, path, body) as resp:
+            raw = await resp.read()
+            if resp.status >= 400:
+                if ok_missing and resp.status == 404:
+                    return None
+                _raise_for(resp.status, raw)
+            return json.loads(raw) if resp.content_type == "application/json" else raw.decode()
+
+    async def health(self) -> dict:
+        return await self._call("GET", "/healthz")
+
+    async def status(self) -> dict:
+        return await self._call("GET", "/v1/status")
+
+    async def contexts(self) -> list[dict]:
+        return (await self._call("GET", "/v1/contexts"))["contexts"]
+
+    async def peers(self) -> list[dict]:
+        return (await self._call("GET", "/v1/peers"))["peers"]
+
+    async def lookup(self, model_id: str, tokens: list[int]) -> dict:
+        return await self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
+
+    async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor) -> dict:
+        body, seg = _put_segment(model_id, tokens, kv)
+        with seg:
+            return await self._call("POST", "/v1/contexts", body)
+
+    async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
+                    dtype: torch.dtype | str = torch.float16) -> AsyncFetch:
+        resp = await self._send("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype))
+        if resp.status >= 400:
+            raw = await resp.read()
+            resp.release()
+            _raise_for(resp.status, raw)
+        f = AsyncFetch(self, resp)
+        await f._read_until_start()
+        return f
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,73 @@
+"""The daemon's codec side: a process pool that encodes a chunk at every stored level and
+decodes whatever level a chunk arrives at, off the event loop (constriction holds the GIL),
+plus this host's measured decode rate, which it tells senders in each FETCH."""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from codec import baselines, levels as codec_levels, profile as profiles
+from codec.errors import CodecError
+from codec.parallel import CodecPool
+from codec.profile import Profile
+
+log = logging.getLogger("kvstreamd.coding")
+
+# One core decodes ~75-90 MB/s of fp16 at the entropy-coded levels (docs/benchmarks.md); a
+# prior for the first FETCH, replaced by what this host measures.
+PRIOR_MBPS_PER_WORKER = 75.0
+
+
+class Coder:
+    def __init__(self, workers: int, profile_path: Path | None = None,
+                 warm_levels: tuple[str, ...] = codec_levels.LADDER) -> None:
+        self.workers = workers
+        self.profile: Profile | None = None
+        if profile_path is not None:
+            self.profile = profiles.register(Profile.load(profile_path))
+        warm = tuple(lv for lv in warm_levels if lv in codec_levels.LEVELS)
+        self.pool = CodecPool(workers, (str(profile_path),) if profile_path else (), warm_levels=warm)
+        self._lock = threading.Lock()
+        self._mbps = PRIOR_MBPS_PER_WORKER * workers * 0.8  # processes share more than cores
+        self._samples = 0
+
+    def profile_for(self, model_id: str) -> Profile:
+        """The configured profile if it is for model_id, else the shipped one; CodecError if none."""
+        if self.profile is not None and self.profile.model_id == model_id:
+            return self.profile
+        return profiles.for_model(model_id)
+
+    @property
+    def decode_mbps(self) -> float:
+        """MB/s of fp16 KV this host decodes at the entropy-coded levels (moving average)."""
+        return self._mbps
+
+    def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int) -> bytes:
+        """Blocking: one chunk at one level (named codec level or baseline scheme)."""
+        if level in baselines.SCHEMES:
+            return baselines.SCHEMES[level].encode(kv)
+        return self.pool.encode(kv, level, profile, start)
+
+    def decode(self, level: str, payload: bytes | memoryview) -> torch.Tensor:
+        """Blocking: CodecError for a payload that does not decode."""
+        if level in baselines.SCHEMES:
+            return baselines.SCHEMES[level].decode(payload)
+        if level not in codec_levels.LEVELS and not level.startswith("cachegen"):
+            raise CodecError(f"unknown level {level!r}")
+        import time
+        t0 = time.perf_counter()
+        kv = self.pool.decode(payload)
+        dt = time.perf_counter() - t0
+        mb = kv.numel() * 2 / 1e6
+        if dt > 0 and mb > 1:
+            with self._lock:
+                self._samples += 1
+                alpha = 0.5 if self._samples < 4 else 0.2
+                self._mbps = (1 - alpha) * self._mbps + alpha * (mb / dt)
+        return kv
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,48 @@
+"""Which peer holds which chunk keys, fed by each peer's ADVERTISE (a full list on connect,
+then deltas) and WITHDRAW. A lookup answers, per peer, how many leading chunks of a prompt's
+key chain that peer holds."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class Directory:
+    def __init__(self) -> None:
+        self._held: dict[str, set[bytes]] = {}
+
+    def add(self, peer: str, keys: Iterable[bytes]) -> None:
+        self._held.setdefault(peer, set()).update(keys)
+
+    def remove(self, peer: str, keys: Iterable[bytes]) -> None:
+        held = self._held.get(peer)
+        if held is not None:
+            held.difference_update(keys)
+
+    def drop(self, peer: str) -> None:
+        """Forget everything `peer` said (its last connection closed)."""
+        self._held.pop(peer, None)
+
+    def holds(self, peer: str, key: bytes) -> bool:
+        return key in self._held.get(peer, ())
+
+    def longest_prefix(self, keys: Sequence[bytes], start: int = 0) -> dict[str, int]:
+        """Per peer: the index one past the last chunk of the unbroken run keys[start:] it holds
+        (start itself when it holds keys[start] not at all). Peers holding nothing there are left out."""
+        out = {}
+        for peer, held in self._held.items():
+            n = start
+            while n < len(keys) and keys[n] in held:
+                n += 1
+            if n > start:
+                out[peer] = n
+        return out
+
+    def best(self, keys: Sequence[bytes], start: int = 0, exclude: Iterable[str] = ()) -> tuple[str | None, int]:
+        """The peer holding the longest run of keys from `start` (ties: the lowest node id, so
+        every caller picks alike), and where its run ends; (None, start) when none holds keys[start]."""
+        skip = set(exclude)
+        runs = sorted((-n, peer) for peer, n in self.longest_prefix(keys, start).items() if peer not in skip)
+        return (runs[0][1], -runs[0][0]) if runs else (None, start)
+
+    def counts(self) -> dict[str, int]:
+        return {peer: len(keys) for peer, keys in self._held.items()}

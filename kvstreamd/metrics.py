@@ -1,0 +1,106 @@
+"""The daemon's Prometheus metrics (one registry per daemon, served at GET /metrics on the
+Unix socket), and its structured logs: logfmt lines carrying the request id of the API call
+or peer request they belong to."""
+from __future__ import annotations
+
+import contextvars
+import logging
+import secrets
+import sys
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+_SHARE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def new_request_id() -> str:
+    rid = secrets.token_hex(4)
+    request_id.set(rid)
+    return rid
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        # The seed's four.
+        self.fetch_seconds = Histogram(
+            "kvstreamd_fetch_seconds", "Time from a fetch request to its last chunk ready in the buffer "
+            "(what the model waits for before its first token)", registry=r, buckets=_LATENCY)
+        self.decode_share = Histogram(
+            "kvstreamd_fetch_decode_share", "Decode time as a share of a fetch's total time", registry=r, buckets=_SHARE)
+        self.compression_ratio = Gauge(
+            "kvstreamd_compression_ratio", "fp16 KV bytes over stored bytes, per level, over all chunks stored "
+            "since start", ["level"], registry=r)
+        self.link_utilisation = Gauge(
+            "kvstreamd_link_utilisation", "Share of a peer link's estimated bandwidth that the last transfer from "
+            "this node used", ["peer"], registry=r)
+        # What an operator needs besides.
+        self.stage_seconds = Histogram(
+            "kvstreamd_fetch_stage_seconds", "Busy time of each pipeline stage per fetch", ["stage"], registry=r,
+            buckets=_LATENCY)
+        self.lookups = Counter("kvstreamd_lookups", "Fetch lookups by outcome (hit: the whole prompt but its "
+                               "last partial chunk; partial; miss)", ["result"], registry=r)
+        self.prompt_tokens = Counter("kvstreamd_prompt_tokens", "Tokens of prompts looked up, by where they came from "
+                                     "(local, peer, text, prefill)", ["source"], registry=r)
+        self.peer_bytes = Counter("kvstreamd_peer_bytes", "Chunk payload bytes per peer and direction", ["peer", "direction"],
+                                  registry=r)
+        self.chunks = Counter("kvstreamd_chunks", "Chunks moved, by level and direction (sent, received, local)",
+                              ["level", "direction"], registry=r)
+        self.errors = Counter("kvstreamd_errors", "Errors by kind", ["kind"], registry=r)
+        self.store_bytes = Gauge("kvstreamd_store_bytes", "Store usage by tier", ["tier"], registry=r)
+        self.store_budget = Gauge("kvstreamd_store_budget_bytes", "Store budget by tier", ["tier"], registry=r)
+        self.store_chunks = Gauge("kvstreamd_store_chunks", "Chunks held (any tier)", registry=r)
+        self.store_evictions = Gauge("kvstreamd_store_evictions", "Chunks evicted since start", registry=r)
+        self.peers_connected = Gauge("kvstreamd_peers_connected", "Peers with a ready connection", registry=r)
+        self.fetches_active = Gauge("kvstreamd_fetches_active", "Local fetches in progress", registry=r)
+        self.buffers_held = Gauge("kvstreamd_buffers_held", "Shared-memory buffers not yet released", registry=r)
+        self.buffer_bytes = Gauge("kvstreamd_buffer_bytes", "Bytes in shared-memory buffers not yet released", registry=r)
+        self.puts = Counter("kvstreamd_put_chunks", "Chunks offered by local puts, by outcome (stored, already_held)",
+                            ["outcome"], registry=r)
+        self.encode_seconds = Histogram("kvstreamd_put_encode_seconds", "Encode time per put", registry=r,
+                                        buckets=_LATENCY)
+        self._ratio_raw: dict[str, float] = {}
+        self._ratio_coded: dict[str, float] = {}
+
+    def stored(self, level: str, raw_fp16_bytes: int, coded_bytes: int) -> None:
+        self._ratio_raw[level] = self._ratio_raw.get(level, 0.0) + raw_fp16_bytes
+        self._ratio_coded[level] = self._ratio_coded.get(level, 0.0) + coded_bytes
+        self.compression_ratio.labels(level).set(self._ratio_raw[level] / max(self._ratio_coded[level], 1.0))
+
+    def error(self, kind: str) -> None:
+        self.errors.labels(kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Logfmt(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        msg = record.getMessage().replace('"', "'")
+        line = f'ts={ts} level={record.levelname.lower()} logger={record.name} rid={request_id.get()} msg="{msg}"'
+        if record.exc_info:
+            line += ' exc="' + self.formatException(record.exc_info).replace("\n", "\\n").replace('"', "'") + '"'
+        return line
+
+
+def setup_logging(level: str = "info") -> None:
+    """logfmt lines on stderr (journald keeps them under systemd)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_kvstreamd", False):
+            root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Logfmt())
+    handler._kvstreamd = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    set_level(level)
+
+
+def set_level(level: str) -> None:
+    logging.getLogger().setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

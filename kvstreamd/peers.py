@@ -1,0 +1,293 @@
+"""Peer side of the daemon: the TCP listener, a dialer per configured peer (retried with
+backoff), the exchange of held chunk keys (a full ADVERTISE on connect, deltas after), and the
+serving of peers' FETCHes with per-chunk level choice from the measured link."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from transport import aio
+from transport.bandwidth import PeerBandwidth, Probe
+from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
+from transport.policy import DPPL, TEXT, adaptive_rule
+from transport.sender import StreamSender
+
+from .config import PeerConfig
+from .directory import Directory
+from .metrics import Metrics, new_request_id
+from .store import Store
+
+log = logging.getLogger("kvstreamd.peers")
+
+ADVERTISE_BATCH = 20_000  # keys per ADVERTISE frame (32 B each: well under max_frame_bytes)
+BASELINE_DECODE_MBPS = 2000.0  # fp16/int8 "decode" is a copy or a multiply
+
+
+@dataclass
+class PeerState:
+    """What /v1/peers reports about one configured or connected peer."""
+
+    address: str | None = None  # "host:port" when configured
+    node_id: str | None = None
+    connected: bool = False
+    since: float | None = None
+    attempts: int = 0
+    last_error: str | None = None
+    next_retry: float | None = None  # time.time() of the next dial
+    conns: set = field(default_factory=set)
+
+
+class PeerManager:
+    def __init__(self, node_id: str, secret: bytes, cfg: PeerConfig, store: Store, directory: Directory,
+                 metrics: Metrics, caps: dict, recompute_tokens_per_s: float) -> None:
+        self.node_id = node_id
+        self.secret = secret
+        self.cfg = cfg
+        self.store = store
+        self.directory = directory
+        self.metrics = metrics
+        self.caps = caps
+        self.recompute_tokens_per_s = recompute_tokens_per_s
+        self.bandwidth = PeerBandwidth()
+        self.server: aio.Server | None = None
+        self.by_node: dict[str, set[aio.PeerConnection]] = {}
+        self.configured: dict[tuple[str, int], PeerState] = {}
+        self._dialers: dict[tuple[str, int], asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._deltas: asyncio.Queue[tuple[bool, list[bytes]]] = asyncio.Queue()
+        self._broadcaster: asyncio.Task | None = None
+        self._loop = asyncio.get_running_loop()
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        host, port = self.cfg.listen
+        self.server = await aio.serve(host, port, self.node_id, self.secret, self._serve_fetch,
+                                      on_connect=self._accepted, caps=self.caps,
+                                      max_frame_bytes=self.cfg.max_frame_bytes,
+                                      handshake_timeout=self.cfg.handshake_timeout_s)
+        self._broadcaster = asyncio.ensure_future(self._broadcast())
+        self.set_peers(self.cfg.peers)
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    def set_peers(self, peers) -> None:
+        """Dial these "host:port" peers (SIGHUP may change the list): new ones start dialing,
+        removed ones are hung up."""
+        wanted = set(peers)
+        for addr in list(self._dialers):
+            if addr not in wanted:
+                self._dialers.pop(addr).cancel()
+                self.configured.pop(addr, None)
+        for addr in wanted:
+            if addr not in self._dialers:
+                self.configured[addr] = PeerState(address=f"{addr[0]}:{addr[1]}")
+                self._dialers[addr] = asyncio.ensure_future(self._dial_loop(addr))
+
+    async def stop(self) -> None:
+        for t in self._dialers.values():
+            t.cancel()
+        if self._broadcaster:
+            self._broadcaster.cancel()
+        if self.server is not None:
+            self.server.close()
+        for conns in list(self.by_node.values()):
+            for c in list(conns):
+                c.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._dialers.values(), *self._tasks, return_exceptions=True)
+        if self.server is not None:
+            try:
+                await asyncio.wait_for(self.server.wait_closed(), 5)
+            except asyncio.TimeoutError:
+                log.warning("peer connections did not close within 5 s")
+
+    # -- store deltas (called from any thread) ------------------------------------------------
+
+    def keys_added(self, keys: list[bytes]) -> None:
+        self._loop.call_soon_threadsafe(self._deltas.put_nowait, (True, list(keys)))
+
+    def keys_removed(self, keys: list[bytes]) -> None:
+        self._loop.call_soon_threadsafe(self._deltas.put_nowait, (False, list(keys)))
+
+    async def _broadcast(self) -> None:
+        while True:
+            added, keys = await self._deltas.get()
+            msg = Advertise(keys) if added else Withdraw(keys)
+            for conns in list(self.by_node.values()):
+                for c in list(conns):
+                    try:
+                        await c.send(msg)
+                    except aio.TransportError:
+                        pass  # that connection is going away; its reader cleans up
+
+    # -- connections -----------------------------------------------------------------------
+
+    def connection(self, node_id: str) -> aio.PeerConnection | None:
+        for c in self.by_node.get(node_id, ()):
+            if c.closed is None:
+                return c
+        return None
+
+    def connected(self) -> list[str]:
+        return sorted(n for n, conns in self.by_node.items() if conns)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def _accepted(self, conn: aio.PeerConnection) -> None:
+        self._spawn(self._run_conn(conn, None))
+
+    async def _dial_loop(self, addr: tuple[str, int]) -> None:
+        state = self.configured[addr]
+        delay = self.cfg.retry_min_s
+        while True:
+            state.attempts += 1
+            try:
+                conn = await asyncio.wait_for(
+                    aio.connect(addr[0], addr[1], self.node_id, self.secret, handler=self._serve_fetch,
+                                caps=self.caps, max_frame_bytes=self.cfg.max_frame_bytes,
+                                handshake_timeout=self.cfg.handshake_timeout_s),
+                    self.cfg.handshake_timeout_s + 5)
+            except (OSError, aio.TransportError, asyncio.TimeoutError) as e:
+                state.last_error = f"{type(e).__name__}: {e}"
+                if state.attempts <= 1 or state.attempts % 10 == 0:
+                    log.info("peer %s: cannot connect (%s); retrying with backoff", state.address, state.last_error)
+            else:
+                delay = self.cfg.retry_min_s
+                state.last_error = None
+                await self._run_conn(conn, state)
+                if conn.closed is not None and conn.closed.code not in ("normal", "connection_lost"):
+                    state.last_error = f"closed: {conn.closed.code}: {conn.closed.msg}"
+            wait = delay * random.uniform(0.8, 1.2)
+            state.next_retry = time.time() + wait
+            await asyncio.sleep(wait)
+            state.next_retry = None
+            delay = min(delay * 2, self.cfg.retry_max_s)
+
+    async def _run_conn(self, conn: aio.PeerConnection, state: PeerState | None) -> None:
+        peer = conn.peer_node_id
+        if peer == self.node_id:
+            log.warning("peer %s is this node itself; hanging up", state.address if state else "?")
+            conn.close("normal", "connected to itself")
+            await conn.wait_closed()
+            return
+        conns = self.by_node.setdefault(peer, set())
+        conns.add(conn)
+        if state is not None:
+            state.node_id, state.connected, state.since = peer, True, time.time()
+        self.metrics.peers_connected.set(len(self.connected()))
+        log.info("peer %s: connected (%s)", peer, conn.conn.role)
+        try:
+            keys = self.store.keys()
+            for i in range(0, len(keys), ADVERTISE_BATCH):
+                await conn.send(Advertise(keys[i:i + ADVERTISE_BATCH]))
+            async for msg in conn:
+                if isinstance(msg, Advertise):
+                    self.directory.add(peer, msg.keys)
+                elif isinstance(msg, Withdraw):
+                    self.directory.remove(peer, msg.keys)
+        except aio.TransportError:
+            pass
+        finally:
+            conns.discard(conn)
+            if not conns:
+                self.by_node.pop(peer, None)
+                self.directory.drop(peer)
+            if state is not None:
+                state.connected = False
+            self.metrics.peers_connected.set(len(self.connected()))
+            log.info("peer %s: disconnected", peer)
+
+    # -- serving a peer's FETCH --------------------------------------------------------------
+
+    async def _serve_fetch(self, stream: aio.Stream, fetch: Fetch) -> None:
+        new_request_id()
+        peer = stream.peer.peer_node_id or "?"
+        loop = asyncio.get_running_loop()
+        with self.store.pinned(fetch.keys) as recs:
+            missing = [i for i, r in enumerate(recs) if r is None]
+            if missing:
+                self.metrics.error("fetch_not_found")
+                await stream.fail(NOT_FOUND, f"chunk {missing[0]} ({fetch.keys[missing[0]].hex()[:16]}) is not held here")
+                return
+            coded = [lv for lv in fetch.levels if lv != TEXT and lv in DPPL and all(lv in r.levels for r in recs)]
+            sizes = {lv: [len(r.levels[lv]) for r in recs] for lv in coded}
+            sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
+            caps = stream.peer.peer_caps or {}
+            decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
+            recompute_tps = float(caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
+            fp16_mb = max(2 * _numel(r.shape) for r in recs) / 1e6
+            work = {lv: fp16_mb / (BASELINE_DECODE_MBPS if lv in ("fp16", "int8") else decode_mbps) for lv in coded}
+            work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
+            estimator = self.bandwidth.get(peer)
+            t0 = loop.time()
+            if estimator.needs_probe:
+                probe = Probe()
+                rtt = await stream.peer.ping()
+                sent_at, acked_at = await stream.peer.probe(probe.size)
+                probe.record(estimator, sent_at, acked_at, rtt=rtt)
+            sender = StreamSender(fetch.req, len(recs), sizes, max(stream.remaining() * 1000, 1.0), loop.time(),
+                                  adaptive_rule, estimator, work, DPPL)
+            sent = 0
+            busy = 0.0
+            while (nxt := sender.next_chunk(loop.time())) is not None:
+                i, level = nxt
+                sent_at = loop.time()
+                if level == TEXT:
+                    nbytes = await stream.send_text(i, list(recs[i].tokens))
+                else:
+                    nbytes = await stream.send_chunk(i, level, recs[i].levels[level])
+                    sent += nbytes
+                self.metrics.chunks.labels(level, "sent").inc()
+                ack, acked_at = await stream.acks.get()
+                busy += acked_at - sent_at
+                sender.on_ack(ack.i, nbytes, sent_at, acked_at)
+            await stream.end(deadline_missed=sender.deadline_missed(loop.time()))
+        self.metrics.peer_bytes.labels(peer, "out").inc(sent)
+        est = estimator.estimate()
+        if est and busy > 0:
+            self.metrics.link_utilisation.labels(peer).set(min(sent / busy / est, 1.0))
+        log.info("served %d chunks to %s in %.3f s: levels %s", len(recs), peer, loop.time() - t0,
+                 ",".join(c.level for c in sender.choices))
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def info(self) -> list[dict]:
+        out, seen = [], set()
+        counts = self.directory.counts()
+        for addr, st in self.configured.items():
+            nid = st.node_id
+            seen.add(nid)
+            out.append(self._peer_info(nid, st.address, counts, st))
+        for nid in self.by_node:
+            if nid not in seen:
+                out.append(self._peer_info(nid, None, counts, None))
+        return out
+
+    def _peer_info(self, nid, address, counts, st: PeerState | None) -> dict:
+        est = self.bandwidth.get(nid).estimate() if nid and nid in self.bandwidth else None
+        conn = self.connection(nid) if nid else None
+        return {"node_id": nid, "address": address, "configured": st is not None,
+                "connected": conn is not None, "keys": counts.get(nid, 0) if nid else 0,
+                "bandwidth_mbit": round(est * 8 / 1e6, 2) if est else None,
+                "rtt_ms": round(conn.rtt * 1000, 3) if conn is not None and conn.rtt else None,
+                "last_error": st.last_error if st else None,
+                "next_retry_s": round(st.next_retry - time.time(), 2) if st and st.next_retry else None}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,231 @@
+"""One local fetch: find the longest prefix of a prompt (local store first, then peers), then
+receive -> decode -> fill as three asyncio stages joined by bounded queues, so that while
+chunk i decodes (in the codec process pool), chunk i+1 arrives and chunk i-1 is copied into
+the client's shared-memory buffer. Each chunk that lands becomes an event for the client: KV
+ready at these token positions, or TEXT the model must recompute. A peer that fails mid-stream
+costs only its remaining chunks: they come from another peer holding them, or as TEXT."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import torch
+
+from codec.errors import CodecError
+from transport import aio
+from transport.policy import TEXT
+
+from .coding import Coder
+from .directory import Directory
+from .metrics import Metrics
+from .peers import PeerManager
+from .shm import Segment
+from .store import Store, chunk_keys
+
+log = logging.getLogger("kvstreamd.pipeline")
+
+QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
+
+
+@dataclass
+class Plan:
+    """Where each chunk of a prompt will come from."""
+
+    keys: list[bytes]
+    bounds: list[tuple[int, int]]  # token [start, end) of each chunk
+    local: int  # chunks [0, local) are in the local store
+    found: int  # chunks [0, found) are held somewhere (locally or by a peer)
+    peers: dict[str, int]  # peer -> end of its run of chunks from `local`
+
+    @property
+    def found_tokens(self) -> int:
+        return self.bounds[self.found - 1][1] if self.found else 0
+
+
+def plan(store: Store, directory: Directory, model_id: str, tokens: list[int], chunk_tokens: int) -> Plan:
+    keys = chunk_keys(model_id, tokens, chunk_tokens)
+    bounds = [(i * chunk_tokens, min((i + 1) * chunk_tokens, len(tokens))) for i in range(len(keys))]
+    local = store.longest_prefix(keys)
+    peers = directory.longest_prefix(keys, local)
+    found = max([local, *peers.values()])
+    return Plan(keys, bounds, local, found, peers)
+
+
+@dataclass
+class _Item:
+    i: int
+    kind: str  # "kv" or "text"
+    level: str
+    source: str  # "local", a peer's node id, or "fallback"
+    payload: bytes | None = None
+    arrived: float = 0.0
+    error: str | None = None
+    kv: torch.Tensor | None = None
+
+
+@dataclass
+class FetchResult:
+    events: int = 0
+    levels: list[str] = field(default_factory=list)
+    bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+    deadline_missed: bool = False
+    stage_s: dict[str, float] = field(default_factory=lambda: {"receive": 0.0, "decode": 0.0, "fill": 0.0})
+
+
+class FetchJob:
+    """Runs one fetch into `buffer` ([L, 2, found_tokens, H, D]), calling `emit(event)` for
+    each chunk as it is ready."""
+
+    def __init__(self, plan: Plan, model_id: str, tokens: list[int], deadline_ms: int, buffer: torch.Tensor | None,
+                 store: Store, peers: PeerManager, coder: Coder, metrics: Metrics, levels: list[str]) -> None:
+        self.plan = plan
+        self.model_id = model_id
+        self.tokens = tokens
+        self.deadline_ms = deadline_ms
+        self.buffer = buffer
+        self.store = store
+        self.peers = peers
+        self.coder = coder
+        self.metrics = metrics
+        self.levels = levels
+        self.result = FetchResult()
+        self._t0 = 0.0
+
+    def _remaining_ms(self) -> int:
+        return int(self.deadline_ms - (time.monotonic() - self._t0) * 1000)
+
+    async def run(self, emit: Callable[[dict], Awaitable[None]]) -> FetchResult:
+        self._t0 = time.monotonic()
+        received: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
+        decoded: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
+        stages = [asyncio.ensure_future(self._receive(received)),
+                  asyncio.ensure_future(self._decode(received, decoded)),
+                  asyncio.ensure_future(self._fill(decoded, emit))]
+        try:
+            await asyncio.gather(*stages)
+        finally:
+            for s in stages:
+                s.cancel()
+            await asyncio.gather(*stages, return_exceptions=True)
+        self.result.deadline_missed = self.result.deadline_missed or self._remaining_ms() < 0
+        return self.result
+
+    # -- stage 1: receive -------------------------------------------------------------------
+
+    async def _receive(self, out: asyncio.Queue) -> None:
+        p = self.plan
+        busy = 0.0
+        for i in range(p.local):
+            t = time.perf_counter()
+            rec = await asyncio.to_thread(self.store.get, p.keys[i])
+            busy += time.perf_counter() - t
+            level = next((lv for lv in self.levels if rec is not None and lv in rec.levels), None)
+            if rec is None or level is None:  # evicted since the plan: recompute it
+                await out.put(_Item(i, "text", TEXT, "fallback", error="evicted locally"))
+                continue
+            self.metrics.chunks.labels(level, "local").inc()
+            await out.put(_Item(i, "kv", level, "local", rec.levels[level], time.monotonic()))
+        i = p.local
+        failed: set[str] = set()
+        while i < p.found:
+            peer, end = self.peers.directory.best(p.keys, i, exclude=failed)
+            conn = self.peers.connection(peer) if peer else None
+            if conn is None:
+                if peer is not None:
+                    failed.add(peer)
+                    continue
+                break
+            t = time.perf_counter()
+            stream = conn.fetch(p.keys[i:end], max(self._remaining_ms(), 1), self.levels + [TEXT],
+                                decode_mbps=self.coder.decode_mbps)
+            nbytes, base = 0, i
+            try:
+                async for msg in stream:
+                    j = base + msg.i
+                    if hasattr(msg, "payload"):
+                        nbytes += len(msg.payload)
+                        self.metrics.chunks.labels(msg.level, "received").inc()
+                        item = _Item(j, "kv", msg.level, peer, msg.payload, time.monotonic())
+                    else:
+                        self.metrics.chunks.labels(TEXT, "received").inc()
+                        item = _Item(j, "text", TEXT, peer, arrived=time.monotonic())
+                    busy += time.perf_counter() - t
+                    await out.put(item)
+                    t = time.perf_counter()
+                    i = j + 1
+                if stream.end is not None and stream.end.deadline_missed:
+                    self.result.deadline_missed = True
+            except aio.TransportError as e:
+                failed.add(peer)
+                why = f"peer {peer} failed at chunk {i}: {e.code}: {e.msg}" if hasattr(e, "code") else f"peer {peer}: {e}"
+                log.warning("%s; the rest comes from another peer or as text", why)
+                self.result.errors.append(why)
+                self.metrics.error("peer_fetch_failed")
+            finally:
+                busy += time.perf_counter() - t
+                self.result.bytes += nbytes
+                self.metrics.peer_bytes.labels(peer, "in").inc(nbytes)
+        for j in range(i, p.found):
+            await out.put(_Item(j, "text", TEXT, "fallback"))
+        self.result.stage_s["receive"] = busy
+        await out.put(None)
+
+    # -- stage 2: decode ---------------------------------------------------------------------
+
+    async def _decode(self, inp: asyncio.Queue, out: asyncio.Queue) -> None:
+        busy = 0.0
+        while (item := await inp.get()) is not None:
+            if item.kind == "kv":
+                t = time.perf_counter()
+                try:
+                    item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
+                    self._check_shape(item)
+                except CodecError as e:
+                    why = f"chunk {item.i} from {item.source} does not decode ({e}); recompute it"
+                    log.warning(why)
+                    self.result.errors.append(why)
+                    self.metrics.error("decode")
+                    item.kind, item.level, item.error, item.kv = "text", TEXT, str(e), None
+                busy += time.perf_counter() - t
+                item.payload = None
+            await out.put(item)
+        self.result.stage_s["decode"] = busy
+        await out.put(None)
+
+    def _check_shape(self, item: _Item) -> None:
+        s, e = self.plan.bounds[item.i]
+        want = (self.buffer.shape[0], 2, e - s, *self.buffer.shape[3:])
+        if tuple(item.kv.shape) != want:
+            raise CodecError(f"decoded shape {tuple(item.kv.shape)} is not the chunk's {want}")
+
+    # -- stage 3: fill -----------------------------------------------------------------------
+
+    async def _fill(self, inp: asyncio.Queue, emit: Callable[[dict], Awaitable[None]]) -> None:
+        busy = 0.0
+        while (item := await inp.get()) is not None:
+            s, e = self.plan.bounds[item.i]
+            if item.kind == "kv":
+                t = time.perf_counter()
+                await asyncio.to_thread(self.buffer[:, :, s:e].copy_, item.kv)
+                busy += time.perf_counter() - t
+                item.kv = None
+            self.result.levels.append(item.level)
+            self.result.events += 1
+            ev = {"event": "chunk", "i": item.i, "start": s, "end": e, "kind": item.kind, "level": item.level,
+                  "source": item.source, "t_ms": round((time.monotonic() - self._t0) * 1000, 2)}
+            if item.error:
+                ev["error"] = item.error
+            await emit(ev)
+        self.result.stage_s["fill"] = busy
+
+
+def allocate(shape: tuple[int, ...], dtype: str) -> Segment:
+    from .shm import DTYPES
+    n = 1
+    for s in shape:
+        n *= s
+    return Segment.create(n * DTYPES[dtype].itemsize)
