@@ -1,0 +1,542 @@
+"""The daemon's configuration: `config.toml` -> frozen dataclasses.
+
+Every key has a default, so an empty file (or no file) is a valid configuration. The schema is
+the dataclasses below: each field carries, in its metadata, the parser that turns the TOML value
+into the Python value (and checks it), and whether a change can be applied at run time (SIGHUP)
+or needs a restart. Unknown sections and keys, wrong types and bad values raise `ConfigError`
+naming the file and the key, e.g.
+
+    /etc/kvstreamd/config.toml: [store] memory_budget: "12 parsecs" is not a size (use bytes or e.g. "512MiB", "2GiB")
+
+Relative paths in a file are taken relative to that file's directory. Three keys are computed
+when absent or "": [node] id (the host name), [api] socket (`default_socket`) and [store] dir
+(`default_store_dir`); both of the latter follow the directories systemd creates for the unit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import json
+import logging
+import math
+import os
+import re
+import socket as _socket
+import tomllib
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PATH = Path("/etc/kvstreamd/config.toml")
+ENV_CONFIG = "KVSTREAMD_CONFIG"
+_NO_FILE = "(built-in defaults)"  # stands for the file name in messages when there is no file
+_SUN_PATH_MAX = 107  # AF_UNIX path bytes (sun_path is 108 with the terminating NUL)
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message names the file and the key."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsers: (TOML value, where, ctx) -> Python value, raising ConfigError("<where>: ...").
+# `where` is "<file>: [section] key".
+
+@dataclass(frozen=True)
+class _Ctx:
+    file: str                 # the file name as shown in messages
+    base: Path                # relative paths resolve against this directory
+    env: Mapping[str, str]
+
+
+Parser = Callable[[Any, str, _Ctx], Any]
+
+
+def _show(value: Any) -> str:
+    """A value as it would be written in TOML (near enough for messages)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_show(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "table"
+    return type(value).__name__  # dates and times
+
+
+def _wrong_type(value: Any, where: str, expected: str) -> ConfigError:
+    return ConfigError(f"{where}: expected {expected}, got {_toml_type(value)} {_show(value)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _range(lo=None, hi=None) -> str:
+    if hi is None:
+        return f">= {lo}"
+    return f"{lo}..{hi}"
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Parser:
+    def parse(value, where, ctx):
+        if not _is_int(value):
+            raise _wrong_type(value, where, "an integer")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise ConfigError(f"{where}: {value} is out of range ({_range(lo, hi)})")
+        return value
+    return parse
+
+
+def _float(gt: float | None = None) -> Parser:
+    def parse(value, where, ctx):
+        if not (_is_int(value) or isinstance(value, float)):
+            raise _wrong_type(value, where, "a number")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: {_show(value)} is not a finite number")
+        if gt is not None and not value > gt:
+            raise ConfigError(f"{where}: {_show(value)} must be > {gt:g}")
+        return float(value)
+    return parse
+
+
+def _choice(*choices: str) -> Parser:
+    def parse(value, where, ctx):
+        if not isinstance(value, str):
+            raise _wrong_type(value, where, "a string")
+        if value.lower() not in choices:
+            raise ConfigError(f"{where}: {_show(value)} is not one of {', '.join(choices)}")
+        return value.lower()
+    return parse
+
+
+def _string(value, where, ctx) -> str:
+    if not isinstance(value, str):
+        raise _wrong_type(value, where, "a string")
+    return value
+
+
+def _node_id(value, where, ctx) -> str:
+    value = _string(value, where, ctx)
+    n = len(value.encode("utf-8", "surrogatepass"))
+    if not 1 <= n <= 255:
+        raise ConfigError(f"{where}: {_show(value)} is {n} bytes of UTF-8; a node id is 1..255")
+    return value
+
+
+def _path(value, where, ctx) -> Path | None:
+    """A path; "" means None (or, for computed keys, never reaches here)."""
+    value = _string(value, where, ctx)
+    if value == "":
+        return None
+    if "\0" in value:
+        raise ConfigError(f"{where}: {_show(value)} contains a NUL byte")
+    p = Path(value)
+    return p if p.is_absolute() else ctx.base / p
+
+
+def _mode(value, where, ctx) -> int:
+    """A file mode: an integer (write it 0o660 in TOML) or an octal string "0660"/"660"."""
+    if isinstance(value, str) and re.fullmatch(r"(0o?)?[0-7]{1,4}", value):
+        value = int(value.removeprefix("0o") or "0", 8)
+    elif not _is_int(value):
+        raise _wrong_type(value, where, 'a file mode (e.g. 0o660 or "0660")')
+    if not 0 <= value <= 0o777:
+        raise ConfigError(f"{where}: {value:#o} is not a permission mode (0o000..0o777)")
+    return value
+
+
+# Sizes ----------------------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", re.ASCII)
+
+
+def parse_size(value: int | str, where: str) -> int:
+    """Bytes from an integer or a string with a unit: "512MiB", "2GiB", "1.5GB", "100kB", "4096".
+
+    Units are case-insensitive; kB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024.
+    A fractional result is rounded down to whole bytes. `where` prefixes the error message."""
+    if _is_int(value):
+        if value < 0:
+            raise ConfigError(f"{where}: {value} is negative; a size is >= 0")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value)
+        if m and m.group(2).lower() in _UNITS:
+            try:
+                n = Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
+            except InvalidOperation:  # pragma: no cover - the regex admits only decimals
+                pass
+            else:
+                return int(n)  # truncates toward zero; n >= 0
+    elif not isinstance(value, float):
+        raise _wrong_type(value, where, 'a size (bytes, or a string such as "512MiB")')
+    raise ConfigError(f'{where}: {_show(value)} is not a size (use bytes or e.g. "512MiB", "2GiB")')
+
+
+def format_size(n: int) -> str:
+    """An exact size string in the largest unit that divides n: 1073741824 -> "1GiB",
+    1500000000 -> "1500MB", 1000 -> "1kB", 1001 -> "1001B". parse_size inverts it."""
+    if n > 0:
+        for unit in ("TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "kB"):
+            if n % _UNITS[unit.lower()] == 0:
+                return f"{n // _UNITS[unit.lower()]}{unit}"
+    return f"{n}B"
+
+
+def _size(lo: int = 0, below: int | None = None) -> Parser:
+    def parse(value, where, ctx):
+        n = parse_size(value, where)
+        if n < lo or (below is not None and n >= below):
+            span = f">= {format_size(lo)}" + (f" and < {format_size(below)}" if below else "")
+            raise ConfigError(f"{where}: {_show(value)} is out of range ({span})")
+        return n
+    return parse
+
+
+# Host:port ------------------------------------------------------------------------------------
+
+_HOST_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9_.])?")
+
+
+def parse_hostport(value: str, where: str) -> tuple[str, int]:
+    """("host", port) from "host:port", "10.0.0.7:9400" or "[fe80::1%eth0]:9400" (IPv6 in
+    brackets, returned without them). Port 0..65535; `where` prefixes the error message."""
+    if not isinstance(value, str):
+        raise _wrong_type(value, where, 'a string "host:port"')
+    bad = f"{where}: {_show(value)} is not host:port"
+    if value.startswith("["):
+        m = re.fullmatch(r"\[([^\]]+)\]:([0-9]+)", value)
+        if not m:
+            raise ConfigError(f'{bad} (IPv6 is written "[::1]:9400")')
+        host, port = m.group(1), m.group(2)
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{bad}: {host!r} is not an IPv6 address") from None
+    else:
+        host, sep, port = value.rpartition(":")
+        if not sep:
+            raise ConfigError(f'{bad} (e.g. "127.0.0.1:9400")')
+        if ":" in host:
+            raise ConfigError(f'{bad} (an IPv6 address goes in brackets: "[{host}]:{port}")')
+        if not host:
+            raise ConfigError(f'{bad}: no host (all interfaces is "0.0.0.0:{port}" or "[::]:{port}")')
+        if not _HOST_RE.fullmatch(host):
+            raise ConfigError(f"{bad}: {host!r} is not a host name or address")
+    if not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
+        raise ConfigError(f"{where}: {_show(value)}: port {port!r} is not 0..65535")
+    return host, int(port)
+
+
+def _hostport(value, where, ctx) -> tuple[str, int]:
+    return parse_hostport(value, where)
+
+
+def _peers(value, where, ctx) -> tuple[tuple[str, int], ...]:
+    if not isinstance(value, list):
+        raise _wrong_type(value, where, 'an array of "host:port" strings')
+    out: list[tuple[str, int]] = []
+    for i, item in enumerate(value):
+        hp = parse_hostport(item, f"{where}[{i}]")
+        if hp[1] == 0:
+            raise ConfigError(f"{where}[{i}]: {_show(item)}: a peer needs a port (1..65535)")
+        if hp in out:
+            raise ConfigError(f"{where}[{i}]: {_show(item)} is listed twice")
+        out.append(hp)
+    return tuple(out)
+
+
+def _levels(value, where, ctx) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _wrong_type(value, where, "an array of level names")
+    from codec.baselines import SCHEMES  # lazily: codec imports torch
+    from codec.levels import LEVELS
+
+    known = [*LEVELS, *SCHEMES]
+    if not value:
+        raise ConfigError(f"{where}: [] is empty; at least one level is needed (e.g. [\"balanced\"])")
+    for name in value:
+        if name == "text":
+            raise ConfigError(f'{where}: "text" is always available; do not list it')
+        if name not in known:
+            raise ConfigError(f"{where}: {_show(name)} is not a level (known: {', '.join(known)})")
+    dup = sorted({n for n in value if value.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{where}: {_show(dup[0])} is listed twice")
+    return tuple(value)
+
+
+# Computed defaults ----------------------------------------------------------------------------
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _abs_dir(value: str | None) -> Path | None:
+    """The first entry of a (systemd: colon-separated) directory variable, if absolute."""
+    if not value:
+        return None
+    first = value.split(":")[0]
+    return Path(first) if os.path.isabs(first) else None  # XDG: relative values are ignored
+
+
+def default_socket(env: Mapping[str, str] | None = None) -> Path:
+    """$RUNTIME_DIRECTORY/api.sock (systemd's RuntimeDirectory=), else
+    $XDG_RUNTIME_DIR/kvstreamd/api.sock, else /run/kvstreamd/api.sock as root, else
+    /tmp/kvstreamd-<uid>/api.sock."""
+    env = os.environ if env is None else env
+    if d := _abs_dir(env.get("RUNTIME_DIRECTORY")):
+        return d / "api.sock"
+    if d := _abs_dir(env.get("XDG_RUNTIME_DIR")):
+        return d / "kvstreamd" / "api.sock"
+    if _is_root():
+        return Path("/run/kvstreamd/api.sock")
+    return Path(f"/tmp/kvstreamd-{os.getuid()}/api.sock")
+
+
+def default_store_dir(env: Mapping[str, str] | None = None) -> Path:
+    """$STATE_DIRECTORY (systemd's StateDirectory=), else $XDG_STATE_HOME/kvstreamd, else
+    /var/lib/kvstreamd as root, else ~/.local/state/kvstreamd."""
+    env = os.environ if env is None else env
+    if d := _abs_dir(env.get("STATE_DIRECTORY")):
+        return d
+    if d := _abs_dir(env.get("XDG_STATE_HOME")):
+        return d / "kvstreamd"
+    if _is_root():
+        return Path("/var/lib/kvstreamd")
+    home = env.get("HOME") or str(Path.home())
+    return Path(home) / ".local" / "state" / "kvstreamd"
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema. One field per key: default, parser, and whether SIGHUP may change it.
+
+def _key(default: Any = dataclasses.MISSING, *, parse: Parser, reload: bool = False,
+         computed: Callable[[Mapping[str, str]], Any] | None = None, **kw) -> Any:
+    meta = {"parse": parse, "reload": reload, "computed": computed}
+    if computed is not None:  # built directly (not via load): compute from os.environ
+        return field(default_factory=lambda: computed(os.environ), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    id: str = _key(parse=_node_id, computed=lambda env: _socket.gethostname())
+    log_level: str = _key("info", parse=_choice("debug", "info", "warning", "error"), reload=True)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    socket: Path = _key(parse=_path, computed=default_socket)
+    socket_mode: int = _key(0o660, parse=_mode)
+    max_fetches: int = _key(16, parse=_int(1), reload=True)
+    buffer_lease_s: float = _key(300.0, parse=_float(gt=0), reload=True)
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    listen: tuple[str, int] = _key(("127.0.0.1", 9400), parse=_hostport)
+    peers: tuple[tuple[str, int], ...] = _key((), parse=_peers, reload=True)
+    secret: str = _key("", parse=_string, reload=True, repr=False)  # never in logs
+    secret_file: Path | None = _key(None, parse=_path, reload=True)
+    max_frame_bytes: int = _key(128 * MiB, parse=_size(64 * KiB, 4 * GiB))
+    handshake_timeout_s: float = _key(5.0, parse=_float(gt=0))
+    retry_min_s: float = _key(0.5, parse=_float(gt=0), reload=True)
+    retry_max_s: float = _key(30.0, parse=_float(gt=0), reload=True)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    dir: Path = _key(parse=_path, computed=default_store_dir)
+    memory_budget: int = _key(1 * GiB, parse=_size(0), reload=True)
+    disk_budget: int = _key(8 * GiB, parse=_size(0), reload=True)
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    chunk_tokens: int = _key(1024, parse=_int(256, 4096))
+    levels: tuple[str, ...] = _key(("high", "balanced", "fast"), parse=_levels, reload=True)
+    profile: Path | None = _key(None, parse=_path)
+    workers: int = _key(0, parse=_int(0))
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    deadline_ms: int = _key(2000, parse=_int(1), reload=True)
+    recompute_tokens_per_s: float = _key(800.0, parse=_float(gt=0), reload=True)
+
+
+_SECTIONS: dict[str, type] = {
+    "node": NodeConfig, "api": ApiConfig, "peer": PeerConfig,
+    "store": StoreConfig, "codec": CodecConfig, "stream": StreamConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    source: Path | None = None  # the file it came from; None for built-in defaults
+
+    def secret(self) -> bytes | None:
+        """The cluster secret: [peer] secret (UTF-8), or the stripped contents of [peer]
+        secret_file, read now (so a reload picks up a new file); None when neither is set."""
+        if self.peer.secret:
+            return self.peer.secret.encode()
+        path = self.peer.secret_file
+        if path is None:
+            return None
+        where = f"{self.source or _NO_FILE}: [peer] secret_file"
+        try:
+            data = path.read_bytes().strip()
+            mode = path.stat().st_mode
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot read {str(path)!r}: {e.strerror or e}") from None
+        if not data:
+            raise ConfigError(f"{where}: {str(path)!r} is empty")
+        if mode & 0o004:
+            log.warning("%s: %s is world-readable; chmod o-r it", where, path)
+        return data
+
+    def workers(self) -> int:
+        """Codec worker processes: [codec] workers, or 0 -> one per CPU this process may use."""
+        if self.codec.workers:
+            return self.codec.workers
+        try:
+            return len(os.sched_getaffinity(0)) or 1
+        except (AttributeError, OSError):  # pragma: no cover - not Linux
+            return os.cpu_count() or 1
+
+
+def keys() -> list[tuple[str, str]]:
+    """Every (section, key) in schema order."""
+    return [(s, f.name) for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+def load(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Read and check a configuration file.
+
+    path None: $KVSTREAMD_CONFIG if set, else /etc/kvstreamd/config.toml if it exists, else the
+    built-in defaults (source None). A path given (or named by $KVSTREAMD_CONFIG) must exist.
+    env (default os.environ) supplies the variables the computed defaults follow."""
+    env = os.environ if env is None else env
+    if path is None:
+        if env.get(ENV_CONFIG):
+            path = env[ENV_CONFIG]
+        elif DEFAULT_PATH.exists():
+            path = DEFAULT_PATH
+    if path is None:
+        return _build({}, _Ctx(_NO_FILE, Path.cwd(), env), None)
+    path = Path(path)
+    ctx = _Ctx(str(path), Path(os.path.abspath(path)).parent, env)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text: {e}") from None
+    return _build(data, ctx, path)
+
+
+def _did_you_mean(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
+
+
+def _build(data: dict, ctx: _Ctx, source: Path | None) -> Config:
+    f = ctx.file
+    for name, value in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"{f}: unknown section [{name}] ({_did_you_mean(name, _SECTIONS)})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{f}: {name}: expected a table [{name}], got {_toml_type(value)} {_show(value)}")
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        table = data.get(name, {})
+        fields = {fl.name: fl for fl in dataclasses.fields(cls)}
+        for key in table:
+            if key not in fields:
+                raise ConfigError(f"{f}: [{name}] {key}: unknown key ({_did_you_mean(key, fields)})")
+        values = {}
+        for key, fl in fields.items():
+            where = f"{f}: [{name}] {key}"
+            computed = fl.metadata["computed"]
+            if key in table and not (computed is not None and table[key] == ""):
+                values[key] = fl.metadata["parse"](table[key], where, ctx)
+            elif computed is not None:
+                values[key] = computed(ctx.env)
+            # else: the dataclass default
+        sections[name] = cls(**values)
+    cfg = Config(**sections, source=source)
+    _check(cfg, f)
+    return cfg
+
+
+def _check(cfg: Config, f: str) -> None:
+    """Rules across keys, and on computed values."""
+    p = cfg.peer
+    if p.secret and p.secret_file is not None:
+        raise ConfigError(f"{f}: [peer] secret: set either [peer] secret or [peer] secret_file, not both")
+    if p.peers and not p.secret and p.secret_file is None:
+        raise ConfigError(f"{f}: [peer] secret: peers are configured but no secret: "
+                          "set [peer] secret or [peer] secret_file")
+    if p.retry_max_s < p.retry_min_s:
+        raise ConfigError(f"{f}: [peer] retry_max_s: {p.retry_max_s:g} is less than "
+                          f"[peer] retry_min_s = {p.retry_min_s:g}")
+    n = len(os.fsencode(cfg.api.socket))
+    if n > _SUN_PATH_MAX:
+        raise ConfigError(f"{f}: [api] socket: {str(cfg.api.socket)!r} is {n} bytes; a Unix socket "
+                          f"path is at most {_SUN_PATH_MAX}: set a shorter one")
+
+
+def reloadable_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """The keys that differ between two configurations, as "[section] key": (those a running
+    daemon applies on SIGHUP, those that need a restart). Equal configurations give ([], [])."""
+    runtime: list[str] = []
+    restart: list[str] = []
+    for name, cls in _SECTIONS.items():
+        a, b = getattr(old, name), getattr(new, name)
+        for fl in dataclasses.fields(cls):
+            if getattr(a, fl.name) != getattr(b, fl.name):
+                (runtime if fl.metadata["reload"] else restart).append(f"[{name}] {fl.name}")
+    return runtime, restart
