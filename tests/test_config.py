@@ -37,7 +37,7 @@ def test_defaults(env, tmp_path):
                                        socket_mode=0o660, max_fetches=16, buffer_lease_s=300.0)
     assert cfg.peer.listen == ("127.0.0.1", 9400) and cfg.peer.peers == ()
     assert cfg.peer.secret == "" and cfg.peer.secret_file is None
-    assert cfg.peer.max_frame_bytes == 64 * 2**20
+    assert cfg.peer.max_frame_bytes == 128 * 2**20
     assert (cfg.peer.handshake_timeout_s, cfg.peer.retry_min_s, cfg.peer.retry_max_s) == (5.0, 0.5, 30.0)
     assert cfg.store == config.StoreConfig(dir=tmp_path / "state" / "kvstreamd",
                                            memory_budget=2**30, disk_budget=8 * 2**30)
