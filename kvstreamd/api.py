@@ -30,7 +30,7 @@ from codec.errors import CodecError
 from . import pipeline
 from .metrics import new_request_id
 from .shm import DTYPES, Attached, ShmError
-from .store import ChunkRecord, StoreError, chunk_keys
+from .store import StoreError, chunk_keys
 
 if TYPE_CHECKING:
     from .daemon import Daemon

@@ -215,51 +215,63 @@ class PeerManager:
         new_request_id()
         peer = stream.peer.peer_node_id or "?"
         loop = asyncio.get_running_loop()
-        with self.store.pinned(fetch.keys) as recs:
-            missing = [i for i, r in enumerate(recs) if r is None]
-            if missing:
-                self.metrics.error("fetch_not_found")
-                await stream.fail(NOT_FOUND, f"chunk {missing[0]} ({fetch.keys[missing[0]].hex()[:16]}) is not held here")
-                return
-            coded = [lv for lv in fetch.levels if lv != TEXT and lv in DPPL and all(lv in r.levels for r in recs)]
-            sizes = {lv: [len(r.levels[lv]) for r in recs] for lv in coded}
-            sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
-            caps = stream.peer.peer_caps or {}
-            decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
-            recompute_tps = float(caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
-            fp16_mb = max(2 * _numel(r.shape) for r in recs) / 1e6
-            work = {lv: fp16_mb / (BASELINE_DECODE_MBPS if lv in ("fp16", "int8") else decode_mbps) for lv in coded}
-            work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
-            estimator = self.bandwidth.get(peer)
-            t0 = loop.time()
-            if estimator.needs_probe:
-                probe = Probe()
-                rtt = await stream.peer.ping()
-                sent_at, acked_at = await stream.peer.probe(probe.size)
-                probe.record(estimator, sent_at, acked_at, rtt=rtt)
-            sender = StreamSender(fetch.req, len(recs), sizes, max(stream.remaining() * 1000, 1.0), loop.time(),
-                                  adaptive_rule, estimator, work, DPPL)
-            sent = 0
-            busy = 0.0
-            while (nxt := sender.next_chunk(loop.time())) is not None:
-                i, level = nxt
-                sent_at = loop.time()
-                if level == TEXT:
-                    nbytes = await stream.send_text(i, list(recs[i].tokens))
-                else:
-                    nbytes = await stream.send_chunk(i, level, recs[i].levels[level])
-                    sent += nbytes
-                self.metrics.chunks.labels(level, "sent").inc()
-                ack, acked_at = await stream.acks.get()
-                busy += acked_at - sent_at
-                sender.on_ack(ack.i, nbytes, sent_at, acked_at)
-            await stream.end(deadline_missed=sender.deadline_missed(loop.time()))
+        # Pinned so eviction cannot take a chunk mid-stream; pinning reads disk-tier chunks, off the loop.
+        recs = await asyncio.to_thread(self.store.pin, fetch.keys)
+        try:
+            done = await self._stream(stream, fetch, recs, peer, loop)
+        finally:
+            self.store.unpin([r.key for r in recs if r is not None])
+        if done is None:
+            return
+        sent, busy, estimator, sender, t0 = done
         self.metrics.peer_bytes.labels(peer, "out").inc(sent)
         est = estimator.estimate()
         if est and busy > 0:
             self.metrics.link_utilisation.labels(peer).set(min(sent / busy / est, 1.0))
         log.info("served %d chunks to %s in %.3f s: levels %s", len(recs), peer, loop.time() - t0,
                  ",".join(c.level for c in sender.choices))
+
+    async def _stream(self, stream: aio.Stream, fetch: Fetch, recs, peer: str, loop):
+        """Send the chunks, each at the level the adaptive rule picks; None if some are not held."""
+        missing = [i for i, r in enumerate(recs) if r is None]
+        if missing:
+            self.metrics.error("fetch_not_found")
+            await stream.fail(NOT_FOUND, f"chunk {missing[0]} ({fetch.keys[missing[0]].hex()[:16]}) is not held here")
+            return None
+        coded = [lv for lv in fetch.levels if lv != TEXT and lv in DPPL and all(lv in r.levels for r in recs)]
+        sizes = {lv: [len(r.levels[lv]) for r in recs] for lv in coded}
+        sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
+        caps = stream.peer.peer_caps or {}
+        decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
+        recompute_tps = float(caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
+        fp16_mb = max(2 * _numel(r.shape) for r in recs) / 1e6
+        work = {lv: fp16_mb / (BASELINE_DECODE_MBPS if lv in ("fp16", "int8") else decode_mbps) for lv in coded}
+        work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
+        estimator = self.bandwidth.get(peer)
+        t0 = loop.time()
+        if estimator.needs_probe:
+            probe = Probe()
+            rtt = await stream.peer.ping()
+            sent_at, acked_at = await stream.peer.probe(probe.size)
+            probe.record(estimator, sent_at, acked_at, rtt=rtt)
+        sender = StreamSender(fetch.req, len(recs), sizes, max(stream.remaining() * 1000, 1.0), loop.time(),
+                              adaptive_rule, estimator, work, DPPL)
+        sent = 0
+        busy = 0.0
+        while (nxt := sender.next_chunk(loop.time())) is not None:
+            i, level = nxt
+            sent_at = loop.time()
+            if level == TEXT:
+                nbytes = await stream.send_text(i, list(recs[i].tokens))
+            else:
+                nbytes = await stream.send_chunk(i, level, recs[i].levels[level])
+                sent += nbytes
+            self.metrics.chunks.labels(level, "sent").inc()
+            ack, acked_at = await stream.acks.get()
+            busy += acked_at - sent_at
+            sender.on_ack(ack.i, nbytes, sent_at, acked_at)
+        await stream.end(deadline_missed=sender.deadline_missed(loop.time()))
+        return sent, busy, estimator, sender, t0
 
     # -- reporting -------------------------------------------------------------------------
 
