@@ -240,12 +240,26 @@ class Client:
 def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor) -> tuple[dict, Segment]:
     if kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"KV dtype {kv.dtype} is not one of {list(DTYPE_NAMES)}")
-    seg = Segment.create(kv.numel() * kv.element_size())
+    seg = Segment.create(kv.numel() * kv.element_size(), mode=0o640)
+    _share_with_daemon(seg.name)
     view = seg.tensor(tuple(kv.shape), DTYPE_NAMES[kv.dtype])
     view.copy_(kv)
     del view
     return ({"model_id": model_id, "tokens": list(map(int, tokens)), "buffer": seg.name, "shape": list(kv.shape),
              "dtype": DTYPE_NAMES[kv.dtype]}, seg)
+
+
+def _share_with_daemon(name: str) -> None:
+    """Let a daemon running as its own user (systemd: user and group `kvstreamd`) read a put's
+    segment: group kvstreamd, mode 0640, when this user may give it that group. Best effort:
+    a daemon running as this same user needs nothing."""
+    try:
+        import grp
+        gid = grp.getgrnam("kvstreamd").gr_gid
+        if os.getuid() == 0 or gid in os.getgroups():
+            os.chown(f"/dev/shm/{name}", -1, gid)
+    except (KeyError, OSError):
+        pass
 
 
 def _fetch_body(model_id, tokens, deadline_ms, dtype) -> dict:

@@ -249,7 +249,14 @@ class Daemon:
                         "lease_s": self.cfg.api.buffer_lease_s})
             job = FetchJob(p, model_id, tokens, deadline_ms, buffer, self.store, self.peers, self.coder, self.metrics,
                            list(self.cfg.codec.levels))
-            res = await job.run(emit)
+            try:
+                res = await job.run(emit)
+            except asyncio.CancelledError:
+                if self.stopping:  # tell the client why, if it can still hear it
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(emit({"event": "error", "code": "stopping",
+                                                     "message": "the daemon is shutting down"}), 1.0)
+                raise
             job.buffer = None
             total = time.monotonic() - t0
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]

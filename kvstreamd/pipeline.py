@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -224,8 +225,15 @@ class FetchJob:
 
 
 def allocate(shape: tuple[int, ...], dtype: str) -> Segment:
+    """A fetch's buffer. Mode 0660: under systemd the model process is another user in the
+    daemon's group (see systemd/README.md); the umask must not take the group bits away."""
     from .shm import DTYPES
     n = 1
     for s in shape:
         n *= s
-    return Segment.create(n * DTYPES[dtype].itemsize)
+    seg = Segment.create(n * DTYPES[dtype].itemsize, mode=0o660)
+    try:
+        os.chmod(f"/dev/shm/{seg.name}", 0o660)
+    except OSError:
+        pass
+    return seg
