@@ -9,7 +9,8 @@
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer
     POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype}; KV is read
                                      from the shared-memory segment `buffer` the client made
-    POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?} -> NDJSON events:
+    POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?,
+                                     recompute_tokens_per_s?} -> NDJSON events:
                                      start (the buffer to attach), chunk (one per chunk as it
                                      lands: kv or text), end (totals and per-stage timings)
     DELETE /v1/buffers/{name}        the client is done with a fetch's buffer
@@ -119,6 +120,20 @@ def _dtype(body: dict) -> str:
     return dtype
 
 
+def _levels(body: dict, d: "Daemon") -> list[str] | None:
+    """Optional: the levels this fetch accepts, best first (default: the configured ones). One
+    level alone means exactly that level for every chunk (what a baseline measurement wants)."""
+    levels = _field(body, "levels", list, None)
+    if levels is None:
+        return None
+    from codec import baselines, levels as codec_levels
+    known = set(codec_levels.LEVELS) | set(baselines.SCHEMES)
+    bad = [lv for lv in levels if not isinstance(lv, str) or lv not in known]
+    if not levels or bad:
+        raise ApiError(400, "bad_request", f"levels must be a non-empty list of {sorted(known)}; got {levels!r}")
+    return levels
+
+
 # -- handlers --------------------------------------------------------------------------------
 
 async def healthz(request: web.Request) -> web.Response:
@@ -209,6 +224,10 @@ async def fetch(request: web.Request) -> web.StreamResponse:
     deadline_ms = _field(body, "deadline_ms", int, d.cfg.stream.deadline_ms)
     if deadline_ms <= 0:
         raise ApiError(400, "bad_request", "deadline_ms must be > 0")
+    levels = _levels(body, d)
+    recompute_tps = _field(body, "recompute_tokens_per_s", (int, float), None)
+    if recompute_tps is not None and not recompute_tps > 0:
+        raise ApiError(400, "bad_request", "recompute_tokens_per_s must be > 0")
     if d.stopping:
         raise ApiError(503, "stopping", "the daemon is shutting down")
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -217,7 +236,7 @@ async def fetch(request: web.Request) -> web.StreamResponse:
     async def emit(event: dict) -> None:
         await resp.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
 
-    await d.fetch(model_id, tokens, deadline_ms, dtype, prof, emit)
+    await d.fetch(model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps)
     await resp.write_eof()
     return resp
 

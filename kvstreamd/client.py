@@ -49,7 +49,9 @@ class ChunkEvent:
     kind: str  # "kv": decoded into the buffer; "text": the model must recompute these tokens
     level: str
     source: str  # "local", the peer's node id, or "fallback"
-    t_ms: float  # since the fetch began
+    t_ms: float  # since the fetch began: when the chunk was ready in the buffer
+    bytes: int = 0  # the chunk's encoded size (its wire bytes when it came from a peer)
+    arrived_ms: float | None = None  # since the fetch began: when the receive stage had it
     error: str | None = None
 
 
@@ -83,7 +85,7 @@ class _FetchState:
         if kind == "error":
             raise ClientError(ev.get("code", "fetch_failed"), ev.get("message", "fetch failed"))
         ce = ChunkEvent(ev["i"], ev["start"], ev["end"], ev["kind"], ev["level"], ev["source"], ev["t_ms"],
-                        ev.get("error"))
+                        ev.get("bytes", 0), ev.get("arrived_ms"), ev.get("error"))
         self.events.append(ce)
         return ce
 
@@ -226,10 +228,14 @@ class Client:
             return self._call("POST", "/v1/contexts", body)
 
     def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
-              dtype: torch.dtype | str = torch.float16) -> Fetch:
+              dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
+              recompute_tokens_per_s: float | None = None) -> Fetch:
         """Start a fetch; returns once the daemon has planned it (`found_tokens`, the buffer).
-        Iterate it for the chunk events; use it as a context manager to release the buffer."""
-        conn, resp = self._request("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype))
+        Iterate it for the chunk events; use it as a context manager to release the buffer.
+        `levels`: accept only these (one level alone: every chunk at exactly that level).
+        `recompute_tokens_per_s`: how fast this model prefills, so senders can price TEXT chunks."""
+        conn, resp = self._request("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
+                                                                 recompute_tokens_per_s))
         if resp.status >= 400:
             raw = resp.read()
             conn.close()
@@ -262,11 +268,15 @@ def _share_with_daemon(name: str) -> None:
         pass
 
 
-def _fetch_body(model_id, tokens, deadline_ms, dtype) -> dict:
+def _fetch_body(model_id, tokens, deadline_ms, dtype, levels=None, recompute_tps=None) -> dict:
     body = {"model_id": model_id, "tokens": list(map(int, tokens)),
             "dtype": DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype) else dtype}
     if deadline_ms is not None:
         body["deadline_ms"] = int(deadline_ms)
+    if levels is not None:
+        body["levels"] = list(levels)
+    if recompute_tps is not None:
+        body["recompute_tokens_per_s"] = float(recompute_tps)
     return body
 
 
@@ -363,8 +373,10 @@ class AsyncClient:
             return await self._call("POST", "/v1/contexts", body)
 
     async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
-                    dtype: torch.dtype | str = torch.float16) -> AsyncFetch:
-        resp = await self._send("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype))
+                    dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
+                    recompute_tokens_per_s: float | None = None) -> AsyncFetch:
+        resp = await self._send("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
+                                                                 recompute_tokens_per_s))
         if resp.status >= 400:
             raw = await resp.read()
             resp.release()

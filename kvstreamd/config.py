@@ -391,7 +391,7 @@ class CodecConfig:
 @dataclass(frozen=True)
 class StreamConfig:
     deadline_ms: int = _key(2000, parse=_int(1), reload=True)
-    recompute_tokens_per_s: float = _key(800.0, parse=_float(gt=0), reload=True)
+    recompute_tokens_per_s: float = _key(250.0, parse=_float(gt=0), reload=True)
 
 
 _SECTIONS: dict[str, type] = {

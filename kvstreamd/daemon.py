@@ -222,16 +222,17 @@ class Daemon:
         return stored, held
 
     async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int, dtype: str, prof,
-                    emit: Callable[[dict], Awaitable[None]]) -> None:
+                    emit: Callable[[dict], Awaitable[None]], levels: list[str] | None = None,
+                    recompute_tps: float | None = None) -> None:
         task = asyncio.current_task()
         self._active.add(task)
         try:
             async with self._fetch_slots:
-                await self._fetch(model_id, tokens, deadline_ms, dtype, prof, emit)
+                await self._fetch(model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps)
         finally:
             self._active.discard(task)
 
-    async def _fetch(self, model_id, tokens, deadline_ms, dtype, prof, emit) -> None:
+    async def _fetch(self, model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps) -> None:
         self.metrics.fetches_active.inc()
         t0 = time.monotonic()
         p = plan(self.store, self.directory, model_id, tokens, self.cfg.codec.chunk_tokens)
@@ -248,7 +249,8 @@ class Daemon:
                         "local_tokens": p.bounds[p.local - 1][1] if p.local else 0,
                         "lease_s": self.cfg.api.buffer_lease_s})
             job = FetchJob(p, model_id, tokens, deadline_ms, buffer, self.store, self.peers, self.coder, self.metrics,
-                           list(self.cfg.codec.levels))
+                           list(levels or self.cfg.codec.levels))
+            job.recompute_tps = recompute_tps or self.cfg.stream.recompute_tokens_per_s
             try:
                 res = await job.run(emit)
             except asyncio.CancelledError:

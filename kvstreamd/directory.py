@@ -44,5 +44,8 @@ class Directory:
         runs = sorted((-n, peer) for peer, n in self.longest_prefix(keys, start).items() if peer not in skip)
         return (runs[0][1], -runs[0][0]) if runs else (None, start)
 
+    def holders(self, key: bytes) -> list[str]:
+        return sorted(peer for peer, held in self._held.items() if key in held)
+
     def counts(self) -> dict[str, int]:
         return {peer: len(keys) for peer, keys in self._held.items()}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from transport import aio
 from transport.bandwidth import PeerBandwidth, Probe
 from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
-from transport.policy import DPPL, TEXT, adaptive_rule
+from transport.policy import DPPL, TEXT, Choice, adaptive_rule
 from transport.sender import StreamSender
 
 from .config import PeerConfig
@@ -243,7 +243,7 @@ class PeerManager:
         sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
         caps = stream.peer.peer_caps or {}
         decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
-        recompute_tps = float(caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
+        recompute_tps = float(fetch.recompute_tps or caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
         fp16_mb = max(2 * _numel(r.shape) for r in recs) / 1e6
         work = {lv: fp16_mb / (BASELINE_DECODE_MBPS if lv in ("fp16", "int8") else decode_mbps) for lv in coded}
         work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
@@ -254,8 +254,14 @@ class PeerManager:
             rtt = await stream.peer.ping()
             sent_at, acked_at = await stream.peer.probe(probe.size)
             probe.record(estimator, sent_at, acked_at, rtt=rtt)
+        asked = [lv for lv in fetch.levels if lv != TEXT]
+        rule = adaptive_rule
+        if len(asked) == 1 and asked == coded:
+            # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
+            rule = _fixed(coded[0])
+            sizes = {coded[0]: sizes[coded[0]]}
         sender = StreamSender(fetch.req, len(recs), sizes, max(stream.remaining() * 1000, 1.0), loop.time(),
-                              adaptive_rule, estimator, work, DPPL)
+                              rule, estimator, work, DPPL)
         sent = 0
         busy = 0.0
         while (nxt := sender.next_chunk(loop.time())) is not None:
@@ -296,6 +302,12 @@ class PeerManager:
                 "rtt_ms": round(conn.rtt * 1000, 3) if conn is not None and conn.rtt else None,
                 "last_error": st.last_error if st else None,
                 "next_retry_s": round(st.next_retry - time.time(), 2) if st and st.next_retry else None}
+
+
+def _fixed(level: str):
+    def rule(_situation) -> Choice:
+        return Choice(level, 0.0, f"the fetcher asked for {level} only")
+    return rule
 
 
 def _numel(shape) -> int:

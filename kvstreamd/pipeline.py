@@ -24,7 +24,7 @@ from .directory import Directory
 from .metrics import Metrics
 from .peers import PeerManager
 from .shm import Segment
-from .store import Store, chunk_keys
+from .store import Store, chunk_keys, prefix_keys
 
 log = logging.getLogger("kvstreamd.pipeline")
 
@@ -52,6 +52,19 @@ def plan(store: Store, directory: Directory, model_id: str, tokens: list[int], c
     local = store.longest_prefix(keys)
     peers = directory.longest_prefix(keys, local)
     found = max([local, *peers.values()])
+    if found < len(keys):
+        # A stored context whose last chunk is partial is a prefix of a longer prompt too: try
+        # that chunk at every length shorter than the prompt's, longest first (~1 ms of hashing).
+        s, e = bounds[found]
+        candidates = prefix_keys(keys[found - 1] if found else None, model_id, tokens[s:e - 1])
+        for k in range(len(candidates), 0, -1):
+            key = candidates[k - 1]
+            if (store.has(key) and local == found) or directory.holders(key):
+                keys, bounds = keys[:found] + [key], bounds[:found] + [(s, s + k)]
+                local = store.longest_prefix(keys)
+                peers = directory.longest_prefix(keys, local)
+                found = max([local, *peers.values()])
+                break
     return Plan(keys, bounds, local, found, peers)
 
 
@@ -65,6 +78,7 @@ class _Item:
     arrived: float = 0.0
     error: str | None = None
     kv: torch.Tensor | None = None
+    nbytes: int = 0  # wire bytes of the chunk (payload, or 4 per token for TEXT)
 
 
 @dataclass
@@ -94,6 +108,7 @@ class FetchJob:
         self.metrics = metrics
         self.levels = levels
         self.result = FetchResult()
+        self.recompute_tps: float | None = None  # the model process's prefill rate, when it said
         self._t0 = 0.0
 
     def _remaining_ms(self) -> int:
@@ -129,7 +144,8 @@ class FetchJob:
                 await out.put(_Item(i, "text", TEXT, "fallback", error="evicted locally"))
                 continue
             self.metrics.chunks.labels(level, "local").inc()
-            await out.put(_Item(i, "kv", level, "local", rec.levels[level], time.monotonic()))
+            await out.put(_Item(i, "kv", level, "local", rec.levels[level], time.monotonic(),
+                                nbytes=len(rec.levels[level])))
         i = p.local
         failed: set[str] = set()
         while i < p.found:
@@ -142,7 +158,7 @@ class FetchJob:
                 break
             t = time.perf_counter()
             stream = conn.fetch(p.keys[i:end], max(self._remaining_ms(), 1), self.levels + [TEXT],
-                                decode_mbps=self.coder.decode_mbps)
+                                decode_mbps=self.coder.decode_mbps, recompute_tps=self.recompute_tps)
             nbytes, base = 0, i
             try:
                 async for msg in stream:
@@ -150,10 +166,10 @@ class FetchJob:
                     if hasattr(msg, "payload"):
                         nbytes += len(msg.payload)
                         self.metrics.chunks.labels(msg.level, "received").inc()
-                        item = _Item(j, "kv", msg.level, peer, msg.payload, time.monotonic())
+                        item = _Item(j, "kv", msg.level, peer, msg.payload, time.monotonic(), nbytes=len(msg.payload))
                     else:
                         self.metrics.chunks.labels(TEXT, "received").inc()
-                        item = _Item(j, "text", TEXT, peer, arrived=time.monotonic())
+                        item = _Item(j, "text", TEXT, peer, arrived=time.monotonic(), nbytes=4 * len(msg.tokens))
                     busy += time.perf_counter() - t
                     await out.put(item)
                     t = time.perf_counter()
@@ -217,7 +233,9 @@ class FetchJob:
             self.result.levels.append(item.level)
             self.result.events += 1
             ev = {"event": "chunk", "i": item.i, "start": s, "end": e, "kind": item.kind, "level": item.level,
-                  "source": item.source, "t_ms": round((time.monotonic() - self._t0) * 1000, 2)}
+                  "source": item.source, "bytes": item.nbytes,
+                  "arrived_ms": round((item.arrived - self._t0) * 1000, 2) if item.arrived else None,
+                  "t_ms": round((time.monotonic() - self._t0) * 1000, 2)}
             if item.error:
                 ev["error"] = item.error
             await emit(ev)

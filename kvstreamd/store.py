@@ -106,6 +106,25 @@ def chunk_key(parent: bytes | None, model_id: str, tokens: Sequence[int]) -> byt
     return h.digest()
 
 
+def prefix_keys(parent: bytes | None, model_id: str, tokens: Sequence[int]) -> list[bytes]:
+    """chunk_key(parent, model_id, tokens[:k]) for k = 1..len(tokens), hashed incrementally: the
+    keys a stored context's last, partial chunk could have when a longer prompt runs past it."""
+    m = model_id.encode("utf-8")
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(parent or b"")
+    h.update(_U32.pack(len(m)))
+    h.update(m)
+    out = []
+    for b in _chunks4(_tokens_bytes(tokens)):
+        h.update(b)
+        out.append(h.copy().digest())
+    return out
+
+
+def _chunks4(data: bytes):
+    return (data[i:i + 4] for i in range(0, len(data), 4))
+
+
 def chunk_keys(model_id: str, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
     """Keys of the chunks of a context: chunk i holds tokens[i*chunk_tokens:(i+1)*chunk_tokens].
 

@@ -43,7 +43,7 @@ def test_defaults(env, tmp_path):
                                            memory_budget=2**30, disk_budget=8 * 2**30)
     assert cfg.codec == config.CodecConfig(chunk_tokens=1024, levels=("high", "balanced", "fast"),
                                            profile=None, workers=0)
-    assert cfg.stream == config.StreamConfig(deadline_ms=2000, recompute_tokens_per_s=800.0)
+    assert cfg.stream == config.StreamConfig(deadline_ms=2000, recompute_tokens_per_s=250.0)
     assert cfg.secret() is None
     assert cfg.workers() == len(os.sched_getaffinity(0))
     # Built directly, the dataclasses have the same defaults (computed from os.environ).

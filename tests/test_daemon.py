@@ -97,23 +97,31 @@ def test_three_daemons_store_on_one_fetch_from_another(cluster, context):
     # b learns of a's chunks from ADVERTISE; the prompt is the context plus a question
     prompt = tokens + [1, 2, 3, 4, 5]
     found = wait_for(lambda: b.client().lookup(model_id, prompt)["peers"].get("a"), what="b sees a's chunks")
-    assert found == 512  # the last, partial chunk of the context is not a prefix of the prompt's chunk
+    # the context's last chunk is partial (88 tokens): it still matches the start of the prompt's
+    assert found == 600
     assert b.client().lookup(model_id, prompt)["local_tokens"] == 0
+    assert b.client().lookup(model_id, tokens[:300] + [7] * 50)["found_tokens"] == 256
 
     with b.client().fetch(model_id, prompt, deadline_ms=30_000) as f:
         events = list(f)
-        assert f.found_tokens == 512
-        assert [e.source for e in events] == ["a", "a"]
+        assert f.found_tokens == 600
+        assert [e.source for e in events] == ["a", "a", "a"]
         check_fetched(f, kv, model_id)
         end = f.end
-    assert end["kv_tokens"] == 512 and end["text_tokens"] == 0 and end["prefill_from"] == 512
-    assert end["prefill_tokens"] == len(prompt) - 512
+    assert end["kv_tokens"] == 600 and end["text_tokens"] == 0 and end["prefill_from"] == 600
+    assert end["prefill_tokens"] == len(prompt) - 600
     assert set(end["timings"]) >= {"total_s", "receive_s", "decode_s", "fill_s"}
 
     # the whole context as the prompt: all three chunks, from c this time too
     with c.client().fetch(model_id, tokens) as f:
         list(f)
         assert f.found_tokens == 600 and {e.source for e in f.events} == {"a"}
+        check_fetched(f, kv, model_id)
+
+    # one level asked for: every chunk at exactly that level
+    with c.client().fetch(model_id, tokens, levels=["fast"]) as f:
+        list(f)
+        assert [e.level for e in f.events] == ["fast"] * 3
         check_fetched(f, kv, model_id)
 
     # a serves itself from its store
@@ -181,6 +189,8 @@ def test_garbage_on_the_peer_port_and_the_api_socket(cluster, context):
         ("/v1/fetch", {"model_id": model_id, "tokens": ["x"]}, "bad_request"),
         ("/v1/fetch", {"model_id": "no-such-model", "tokens": [1]}, "unknown_model"),
         ("/v1/fetch", {"model_id": model_id, "tokens": [1], "deadline_ms": -5}, "bad_request"),
+        ("/v1/fetch", {"model_id": model_id, "tokens": [1], "levels": ["ultra"]}, "bad_request"),
+        ("/v1/fetch", {"model_id": model_id, "tokens": [1], "recompute_tokens_per_s": 0}, "bad_request"),
         ("/v1/contexts", {"model_id": model_id, "tokens": [1, 2], "buffer": "kvstreamd-1-nothere",
                           "shape": [30, 2, 2, 3, 64], "dtype": "float16"}, "bad_buffer"),
         ("/v1/contexts", {"model_id": model_id, "tokens": [1, 2], "buffer": "../etc/passwd",

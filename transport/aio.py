@@ -249,13 +249,13 @@ class PeerConnection(asyncio.Protocol):
             raise StopAsyncIteration from None
 
     def fetch(self, keys: list[bytes], deadline_ms: int, levels: list[str],
-              decode_mbps: float | None = None) -> FetchStream:
+              decode_mbps: float | None = None, recompute_tps: float | None = None) -> FetchStream:
         """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives)."""
         self._check_open()
         req = self.conn.next_request_id()
         stream = FetchStream(self, req)
         self._fetches[req] = stream
-        self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps),
+        self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps, recompute_tps),
                        self._loop.time())
         self._flush()
         return stream

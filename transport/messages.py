@@ -91,6 +91,7 @@ class Fetch(Message):
     deadline_ms: int  # time budget for the whole transfer, from when the FETCH is received
     levels: list[str]  # levels the fetcher can decode, best first; TEXT is always acceptable
     decode_mbps: float | None = None  # fetcher's decode rate, MB/s of fp16 output; None = unknown
+    recompute_tps: float | None = None  # fetcher's prefill rate for TEXT chunks, tokens/s; None = unknown
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,8 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Advertise: {"keys": lambda v: _list(v, _key)},
     Withdraw: {"keys": lambda v: _list(v, _key)},
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
-            "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float},
+            "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
+            "recompute_tps": _optional_positive_float},
     Chunk: {"req": _uint, "i": _uint, "level": _str, "payload": _bytes, "crc": _uint32},
     Text: {"req": _uint, "i": _uint, "tokens": lambda v: _list(v, _uint)},
     Ack: {"req": _uint, "i": _uint, "recv_bytes": _uint},
@@ -316,7 +318,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Ping: {"time": _float, "pad": _optional_bytes},
     Pong: {"time": _float},
 }
-_OPTIONAL = {(Fetch, "decode_mbps"), (Error, "req"), (Ping, "pad")}  # may be absent on the wire (= nil)
+_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Error, "req"), (Ping, "pad")}  # may be absent on the wire (= nil)
 
 
 def to_wire(msg: Message) -> dict:
