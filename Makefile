@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/kvstreamd bench codec
+	$(VENV)/bin/kvstreamd demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

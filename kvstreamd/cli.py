@@ -36,6 +36,43 @@ def _bench_stream(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mbits(values: list[str]) -> list[float]:
+    return [float(b.lower().removesuffix("mbit")) for b in values]
+
+
+def _trace(path: str | None) -> list[float] | None:
+    return [float(x) for x in Path(path).read_text().split()] if path else None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .bench import e2e
+
+    report = e2e.run(_mbits([args.bandwidth]), [args.tokens], runs=1, deadline_ms=args.deadline_ms,
+                     trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000, json_path=args.json,
+                     plot_path=args.plot, progress=not args.quiet, chunk_tokens=args.chunk_tokens)
+    print()
+    print(f"{report['model']}, document of {report['runs'][0]['doc_tokens']} WikiText-2 tokens stored on host a, "
+          f"prompt = document + question on host b, deadline {report['deadline_ms']} ms"
+          + ("" if report["shaped"] else "  [loopback: not shaped]"))
+    print(e2e.table(report))
+    print("\nlevels kvstreamd chose per chunk:", e2e.levels_line(report))
+    print(f"host b's answer (kvstreamd): {report['answer']!r}")
+    print(f"\nplot: {args.plot}   JSON: {args.json}")
+    return 0
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    from .bench import e2e
+
+    report = e2e.run(_mbits(args.bandwidth), args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
+                     methods=args.methods, trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000,
+                     json_path=args.json, plot_path=args.plot, progress=not args.quiet)
+    print()
+    print(e2e.table(report))
+    print(f"\nJSON written to {args.json}")
+    return 0
+
+
 def _profile_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -192,6 +229,31 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--methods", nargs="+", default=None)
     bs.add_argument("--json", default="bench-out/stream.json")
     bs.set_defaults(func=_bench_stream)
+
+    be = bsub.add_parser("e2e", help="TTFT on host b of a context stored on host a: recompute, fp16, int8, kvstreamd")
+    be.add_argument("--bandwidth", nargs="+", default=["100mbit"])
+    be.add_argument("--tokens", nargs="+", type=int, default=[4096])
+    be.add_argument("--runs", type=int, default=3, help="documents per token count (medians are reported)")
+    be.add_argument("--deadline-ms", type=int, default=1500)
+    be.add_argument("--methods", nargs="+", default=None, choices=["recompute", "fp16", "int8", "kvstreamd"])
+    be.add_argument("--trace", help="bandwidth trace: Mbit/s per line, one step each --trace-step-ms")
+    be.add_argument("--trace-step-ms", type=int, default=500)
+    be.add_argument("--json", default="bench-out/e2e.json")
+    be.add_argument("--plot", default="bench-out/e2e.png")
+    be.add_argument("--quiet", action="store_true", help="no progress bars")
+    be.set_defaults(func=_bench_e2e)
+
+    demo = sub.add_parser("demo", help="two hosts, the real model: store a document on one, answer on the other")
+    demo.add_argument("--bandwidth", default="100mbit")
+    demo.add_argument("--tokens", type=int, default=4096)
+    demo.add_argument("--deadline-ms", type=int, default=1500)
+    demo.add_argument("--trace", help="bandwidth trace: Mbit/s per line, one step each --trace-step-ms")
+    demo.add_argument("--trace-step-ms", type=int, default=500)
+    demo.add_argument("--json", default="bench-out/demo.json")
+    demo.add_argument("--plot", default="bench-out/demo.png")
+    demo.add_argument("--chunk-tokens", type=int, default=1024)
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.set_defaults(func=_demo)
 
     prof = sub.add_parser("profile", help="codec profiles")
     psub = prof.add_subparsers(dest="profile", required=True)

@@ -1,0 +1,319 @@
+"""End to end, as a user meets it (`make demo`, `kvstreamd demo`, `kvstreamd bench e2e`): two
+daemons as two hosts -- two network namespaces joined by a veth pair shaped to a bandwidth when
+run as root, plain loopback (unshaped, said so) otherwise. Host a prefills a long WikiText-2
+document with the real model and stores its KV through the local API; on host b a prompt that
+starts with the document arrives, and the model answers it four ways, TTFT measured the same way
+for each (from the prompt's arrival to the first generated token, `models.cluster.generate`):
+
+- recompute: prefill the whole prompt on b;
+- fp16 / int8: fetch the prefix's KV at exactly that level through the daemons;
+- kvstreamd: fetch it with the adaptive per-chunk level choice under the deadline.
+
+Quality, off the clock: Δperplexity of the document's continuation on the KV each method ended
+with, against the exact cache, and whether the generated tokens equal the recompute ones."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import corpus, models, netlab, quality
+from ..client import ClientError
+from ..cluster import Node, wait_for
+from ..models.cluster import generate
+
+METHODS = ["recompute", "fp16", "int8", "kvstreamd"]
+FETCH_LEVELS = {"fp16": ["fp16"], "int8": ["int8"], "kvstreamd": None}
+STORED_LEVELS = ["high", "balanced", "fast", "int8", "fp16"]
+# SmolLM2-Instruct's chat format: the stored context is the opening of a user turn holding the
+# document; the prompt on host b adds the question and hands the turn to the assistant.
+HEAD = "<|im_start|>user\n"
+QUESTION = "\n\nIn one sentence, what is the text above about?<|im_end|>\n<|im_start|>assistant\n"
+CHUNK_TOKENS = 1024
+CONTINUATION = 256  # tokens of the document's continuation that Δppl is measured on
+GENERATE = 8  # tokens generated per answer (the first is what TTFT waits for)
+DEFAULT_DEADLINE_MS = 1500
+
+
+@dataclass
+class Hosts:
+    a: Node
+    b: Node
+    link: netlab.Link | None
+
+    @property
+    def shaped(self) -> bool:
+        return self.link is not None
+
+    def shape(self, mbit: float) -> None:
+        if self.link is not None:
+            self.link.shape(mbit)
+
+
+@contextmanager
+def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0):
+    """Two daemons, a and b, peers of each other; in two namespaces if it can make them."""
+    ok, why = netlab.available()
+    link = netlab.Link().up() if ok else None
+    extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers},
+             "store": {"memory_budget": "2GiB", "disk_budget": 0}}
+    if link is not None:
+        a = Node("host-a", root / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)
+        b = Node("host-b", root / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra)
+    else:
+        a = Node("host-a", root / "a", extra=extra)
+        b = Node("host-b", root / "b", extra=extra)
+    a.peers, b.peers = [b.addr], [a.addr]
+    try:
+        a.start(wait=0)
+        b.start(wait=0)
+        a.wait_healthy()
+        b.wait_healthy()
+        wait_for(lambda: b.client().status()["peers_connected"], timeout=30, what="the hosts to connect")
+        yield Hosts(a, b, link), (None if ok else why)
+    finally:
+        for n in (a, b):
+            n.stop()
+        if link is not None:
+            link.down()
+
+
+@contextmanager
+def trace_shaper(h: Hosts, trace: list[float] | None, step_s: float):
+    """Reshape the link to trace[k] Mbit/s at step k of step_s seconds, cycling, while the block runs."""
+    if not trace or h.link is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        k = 0
+        while not stop.is_set():
+            h.shape(trace[k % len(trace)])
+            k += 1
+            stop.wait(step_s)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+def _bar(progress: bool, total: int, desc: str, unit: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, disable=not progress, leave=False)
+
+
+def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int = 1024) -> tuple[torch.Tensor, float]:
+    """Host a's prefill, `step` tokens at a time so a bar can follow it; returns (KV, tokens/s)."""
+    kv = None
+    t0 = time.perf_counter()
+    with _bar(progress, len(tokens), "host a: prefill", "tok") as bar:
+        for s in range(0, len(tokens), step):
+            _, kv = models.prefill(lm, tokens[s:s + step], kv, all_logits=False)
+            bar.update(min(step, len(tokens) - s))
+    return kv, len(tokens) / (time.perf_counter() - t0)
+
+
+def _quality(lm, kv: torch.Tensor | None, doc: list[int], cont: list[int], ref_ppl: float) -> float:
+    """Δppl % of the document's continuation on this KV of a prefix of `doc`."""
+    found = 0 if kv is None else kv.shape[2]
+    if found < len(doc):
+        _, kv = models.prefill(lm, doc[found:], kv, all_logits=False)
+    logits = models.continuation_logits(lm, kv, cont[:-1])
+    return (quality.perplexity(logits, torch.tensor(cont[1:])) / ref_ppl - 1) * 100
+
+
+def _per_chunk(reuse) -> list[dict]:
+    out, prev = [], 0.0
+    for e in reuse.events:
+        arrived = e.arrived_ms or e.t_ms
+        dt = max(arrived - prev, 1e-3)
+        out.append({"i": e.i, "level": e.level, "kind": e.kind, "bytes": e.bytes, "arrived_ms": arrived,
+                    "ready_ms": e.t_ms, "seen_mbit": round(e.bytes * 8 / 1e6 / (dt / 1000), 2) if e.kind == "kv" else None})
+        prev = arrived
+    return out
+
+
+def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[float], deadline_ms: int,
+                methods: list[str], trace: list[float] | None, trace_step_s: float, progress: bool,
+                log=print, chunk_tokens: int = CHUNK_TOKENS) -> list[dict]:
+    """Store one document on host a, then answer the prompt on host b by every method at every
+    bandwidth. Recompute does not touch the link: it is measured once and reported at each."""
+    question = lm.tokenizer.encode(QUESTION)
+    prompt = doc + question
+    kv_exact, prefill_tps = _prefill_with_progress(lm, doc, progress)
+    ref_ppl = quality.perplexity(models.continuation_logits(lm, kv_exact, cont[:-1]), torch.tensor(cont[1:]))
+    put = h.a.client().put(lm.model_id, doc, kv_exact.half())
+    wait_for(lambda: h.b.client().lookup(lm.model_id, prompt)["found_tokens"] == len(doc), timeout=30,
+             what="host b to see host a's chunks")
+    del kv_exact
+    client = h.b.client()
+    rows, quality_cache = [], {}
+    reference = None
+    if "recompute" in methods:
+        ref_tokens, reuse = generate(lm.model, prompt, None, lm.model_id, max_new_tokens=GENERATE)
+        reference = ref_tokens
+        rec = {"method": "recompute", "ttft_s": reuse.ttft_s, "dppl_pct": 0.0, "tokens_match": True, "bytes": 0,
+               "levels": [], "found_tokens": 0, "text_tokens": 0, "generated": ref_tokens}
+        log(f"  recompute: TTFT {reuse.ttft_s:.2f} s")
+    else:
+        reference = models.generate_greedy(lm, None, prompt, GENERATE)
+    for bw in bandwidths:
+        h.shape(bw)
+        if "recompute" in methods:
+            rows.append({**rec, "bandwidth_mbit": bw})
+        for method in [m for m in methods if m != "recompute"]:
+            with _bar(progress, (len(doc) + chunk_tokens - 1) // chunk_tokens, f"host b: {method} fetch", "chunk") as bar, \
+                    trace_shaper(h, trace, trace_step_s):
+                new, reuse = generate(lm.model, prompt, client, lm.model_id, max_new_tokens=GENERATE,
+                                      deadline_ms=deadline_ms, levels=FETCH_LEVELS[method],
+                                      recompute_tokens_per_s=prefill_tps, on_chunk=lambda _e: bar.update(1),
+                                      keep_kv=True)
+            # the KV this method ended with, for quality (decoding is deterministic: same levels, same KV)
+            key = tuple(reuse.levels)
+            if key not in quality_cache:
+                quality_cache[key] = _quality(lm, reuse.kv, doc, cont, ref_ppl)
+            reuse.kv = None
+            rows.append({"method": method, "bandwidth_mbit": bw, "ttft_s": reuse.ttft_s,
+                         "dppl_pct": quality_cache[key], "tokens_match": new == reference, "bytes": reuse.bytes,
+                         "levels": reuse.levels, "found_tokens": reuse.found_tokens, "text_tokens": reuse.text_tokens,
+                         "fetch_s": reuse.fetch_s, "recompute_s": reuse.recompute_s, "generated": new,
+                         "deadline_missed": (reuse.end or {}).get("deadline_missed"), "chunks": _per_chunk(reuse)})
+            log(f"  {bw:g} Mbit/s {method}: TTFT {reuse.ttft_s:.2f} s, {reuse.bytes / 1e6:.1f} MB, "
+                f"levels {','.join(reuse.levels)}, Δppl {quality_cache[key]:+.2f}%, tokens match {new == reference}")
+    h.a.client().delete_context(put["keys"][-1])
+    for r in rows:
+        r.update(tokens=len(doc), prompt_tokens=len(prompt), reference=reference)
+    return rows
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Median TTFT per (method, bandwidth, tokens) over runs; Δppl as the mean; tokens_match as
+    the share of runs."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["bandwidth_mbit"], r["tokens"]), []).append(r)
+    out = []
+    for (method, bw, tokens), rs in groups.items():
+        out.append({"method": method, "bandwidth_mbit": bw, "tokens": tokens,
+                    "ttft_s": round(statistics.median(r["ttft_s"] for r in rs), 3),
+                    "dppl_pct": round(statistics.mean(r["dppl_pct"] for r in rs), 3),
+                    "tokens_match": round(sum(r["tokens_match"] for r in rs) / len(rs), 3),
+                    "runs": len(rs), "bytes": int(statistics.median(r["bytes"] for r in rs)),
+                    "ttft_runs_s": [round(r["ttft_s"], 3) for r in rs]})
+    return out
+
+
+def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadline_ms: int = DEFAULT_DEADLINE_MS,
+        methods: list[str] | None = None, trace: list[float] | None = None, trace_step_s: float = 0.5,
+        json_path: str | None = None, plot_path: str | None = None, progress: bool = True, log=print,
+        chunk_tokens: int = CHUNK_TOKENS) -> dict:
+    methods = methods or METHODS
+    torch.set_num_threads(os.cpu_count() or 1)
+    lm = models.load()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kvstreamd-e2e-") as tmp, hosts(Path(tmp), chunk_tokens) as (h, why_not):
+        if why_not:
+            log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
+                "unshaped, so --bandwidth has no effect")
+        for tokens in token_counts:
+            question = len(lm.tokenizer.encode(QUESTION))
+            head = lm.tokenizer.encode(HEAD)
+            doc_len = min(tokens, lm.max_positions - question - GENERATE)  # the stored context, head included
+            cont_len = min(CONTINUATION, lm.max_positions - doc_len - 1)
+            text_len = doc_len - len(head)
+            for r, w in enumerate(corpus.windows(lm.tokenizer, "test", runs, text_len + cont_len + 1)):
+                log(f"{tokens} tokens, run {r + 1}/{runs}: a user turn opening with {text_len} tokens of test.txt")
+                new = one_context(lm, h, head + w[:text_len], w[text_len:], bandwidths, deadline_ms, methods, trace,
+                                  trace_step_s, progress, log, chunk_tokens)
+                for row in new:
+                    row.update(run=r, tokens=tokens, doc_tokens=doc_len)
+                rows += new
+        report = {"model": lm.model_id, "shaped": h.shaped, "deadline_ms": deadline_ms, "chunk_tokens": chunk_tokens,
+                  "question": QUESTION, "generate": GENERATE, "results": summarise(rows), "runs": rows}
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    if plot_path:
+        plot(report, plot_path)
+    report["answer"] = lm.tokenizer.decode(next((r["generated"] for r in rows if r["method"] == "kvstreamd"), []))
+    return report
+
+
+def table(report: dict) -> str:
+    res = report["results"]
+    best = {}
+    for r in res:
+        k = (r["bandwidth_mbit"], r["tokens"])
+        if r["method"] in ("recompute", "fp16"):
+            best[k] = min(best.get(k, float("inf")), r["ttft_s"])
+    lines = [f"{'Mbit/s':>7} {'tokens':>6} {'method':10} {'TTFT s':>7} {'speed-up':>9} {'MB moved':>9} "
+             f"{'Δppl %':>7} {'tokens match':>12}"]
+    for r in sorted(res, key=lambda r: (r["tokens"], r["bandwidth_mbit"], METHODS.index(r["method"]))):
+        k = (r["bandwidth_mbit"], r["tokens"])
+        speed = f"{best[k] / r['ttft_s']:.2f}x" if k in best and r["method"] == "kvstreamd" else ""
+        lines.append(f"{r['bandwidth_mbit']:>7g} {r['tokens']:>6} {r['method']:10} {r['ttft_s']:>7.2f} {speed:>9} "
+                     f"{r['bytes'] / 1e6:>9.1f} {r['dppl_pct']:>+7.2f} {r['tokens_match'] * 100:>11.0f}%")
+    lines.append("speed-up: the best of recompute and fp16 over kvstreamd's TTFT")
+    return "\n".join(lines)
+
+
+def levels_line(report: dict) -> str:
+    out = []
+    for r in report["runs"]:
+        if r["method"] == "kvstreamd":
+            out.append(f"{r['bandwidth_mbit']:g} Mbit/s, {r['tokens']} tokens: " + " ".join(r["levels"]))
+    return "\n".join(out)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"fp16": "#888888", "int8": "#bbbbbb", "high": "#1b7837", "balanced": "#5aae61", "fast": "#a6dba0",
+              "text": "#d6604d"}
+    kvs = [r for r in report["runs"] if r["method"] == "kvstreamd"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if kvs:
+        r = kvs[0]
+        chunks = r["chunks"]
+        xs = [c["i"] for c in chunks]
+        ax1.bar(xs, [c["bytes"] / 1e6 for c in chunks], color=[colors.get(c["level"], "k") for c in chunks])
+        ax1.set_xlabel("chunk")
+        ax1.set_ylabel("MB sent (bar colour: level chosen)")
+        ax1b = ax1.twinx()
+        ax1b.plot(xs, [c["seen_mbit"] or 0 for c in chunks], "o-", color="#2166ac", label="bandwidth seen")
+        ax1b.set_ylabel("Mbit/s seen by host b")
+        ax1b.set_ylim(bottom=0)
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colors[lv]) for lv in colors if any(c["level"] == lv for c in chunks)]
+        ax1.legend(handles, [lv for lv in colors if any(c["level"] == lv for c in chunks)], loc="upper left", fontsize=8)
+        ax1.set_title(f"kvstreamd at {r['bandwidth_mbit']:g} Mbit/s, {r['tokens']} tokens")
+    res = [x for x in report["results"] if kvs and x["bandwidth_mbit"] == kvs[0]["bandwidth_mbit"]
+           and x["tokens"] == kvs[0]["tokens"]] or report["results"]
+    res = sorted(res, key=lambda x: METHODS.index(x["method"]))
+    ax2.bar([x["method"] for x in res], [x["ttft_s"] for x in res],
+            color=["#d6604d", "#888888", "#bbbbbb", "#1b7837"][:len(res)])
+    for i, x in enumerate(res):
+        ax2.text(i, x["ttft_s"], f"{x['ttft_s']:.2f} s", ha="center", va="bottom", fontsize=9)
+    ax2.set_ylabel("time to first token, s")
+    ax2.set_title("TTFT on host b" + ("" if report["shaped"] else " (loopback, unshaped)"))
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["run", "table", "plot", "levels_line", "ClientError"]

@@ -1,0 +1,132 @@
+"""Generate with a prompt, reusing whatever prefix the cluster holds: the drop-in for a
+HuggingFace-transformers model (any decoder whose cache is a `DynamicCache` of `[1, H, T, D]`
+layers, keys post-RoPE, as Llama's).
+
+    from kvstreamd.client import Client
+    from kvstreamd.models.cluster import generate
+    new_tokens, reuse = generate(model, prompt_ids, Client(), model_id, max_new_tokens=64)
+
+It asks the local daemon for the prompt's longest cached prefix, lets the daemon stream it into
+shared memory, recomputes TEXT chunks on top of the chunks before them, and hands the cache to
+`model.generate`, which prefills only the rest of the prompt."""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..client import ChunkEvent, Client
+from .smollm2 import cache_from_kv, kv_from_cache
+
+
+@dataclass
+class Reuse:
+    """What one prompt got from the cluster."""
+
+    prompt_tokens: int
+    found_tokens: int = 0  # the prefix held somewhere (KV or TEXT chunks)
+    kv_tokens: int = 0  # of which arrived as KV
+    text_tokens: int = 0  # of which this process recomputed (TEXT chunks)
+    events: list[ChunkEvent] = field(default_factory=list)
+    end: dict | None = None  # the daemon's end event (timings, levels, bytes, errors)
+    fetch_s: float = 0.0  # from the request to the last chunk in the buffer
+    recompute_s: float = 0.0  # TEXT chunks, run here
+    ttft_s: float | None = None  # prompt in -> first generated token (set by generate)
+    kv: torch.Tensor | None = None  # the prefix KV used, when generate(keep_kv=True)
+
+    @property
+    def levels(self) -> list[str]:
+        return [e.level for e in self.events]
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.bytes for e in self.events if e.source not in ("local", "fallback"))
+
+
+def _cache_kwarg(model) -> str:
+    # transformers 5.x calls it `cache` (and warns on the old name); 4.57 `past_key_values`.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadline_ms: int | None = None,
+              levels: list[str] | None = None, recompute_tokens_per_s: float | None = None,
+              on_chunk: Callable[[ChunkEvent], None] | None = None) -> tuple[torch.Tensor | None, Reuse]:
+    """The KV `[L, 2, n, H, D]` (the model's dtype) of the prompt's longest prefix the cluster
+    holds, TEXT chunks recomputed here, and what it took; (None, reuse) when nothing was found."""
+    reuse = Reuse(len(prompt))
+    dtype = next(model.parameters()).dtype
+    t0 = time.perf_counter()
+    with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=recompute_tokens_per_s) as f:
+        for ev in f:
+            reuse.events.append(ev)
+            if on_chunk is not None:
+                on_chunk(ev)
+        reuse.end = f.end
+        reuse.found_tokens = f.found_tokens
+        kv = f.kv.to(dtype) if f.kv is not None else None  # a copy: the buffer is released on exit
+    reuse.fetch_s = time.perf_counter() - t0
+    if kv is None:
+        return None, reuse
+    t1 = time.perf_counter()
+    name = _cache_kwarg(model)
+    for ev in reuse.events:  # in prompt order: each TEXT chunk runs on top of every chunk before it
+        if ev.kind != "text":
+            continue
+        cache = cache_from_kv(kv[:, :, :ev.start])
+        model(input_ids=torch.tensor([prompt[ev.start:ev.end]]), use_cache=True, logits_to_keep=1, **{name: cache})
+        kv[:, :, ev.start:ev.end] = kv_from_cache(cache)[:, :, ev.start:ev.end]
+        reuse.text_tokens += ev.end - ev.start
+    reuse.recompute_s = time.perf_counter() - t1
+    reuse.kv_tokens = reuse.found_tokens - reuse.text_tokens
+    return kv, reuse
+
+
+class _FirstToken:
+    """A `generate` streamer that notes when the first new token comes out (its first put()
+    is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.at: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.at is None:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def generate(model, prompt: list[int], client: Client | None, model_id: str, *, max_new_tokens: int = 32,
+             deadline_ms: int | None = None, levels: list[str] | None = None,
+             recompute_tokens_per_s: float | None = None, on_chunk: Callable[[ChunkEvent], None] | None = None,
+             keep_kv: bool = False, **generate_kwargs) -> tuple[list[int], Reuse]:
+    """Greedy-generate after `prompt`, reusing the cluster's longest cached prefix of it
+    (`client` None: no reuse, the whole prompt is prefilled here). Returns the new token ids and
+    what was reused, with `ttft_s` from the call to the first new token."""
+    t0 = time.perf_counter()
+    kv, reuse = (None, Reuse(len(prompt))) if client is None else prefix_kv(
+        model, prompt, client, model_id, deadline_ms=deadline_ms, levels=levels,
+        recompute_tokens_per_s=recompute_tokens_per_s, on_chunk=on_chunk)
+    kwargs = dict(generate_kwargs)
+    if kv is not None:
+        n = min(kv.shape[2], len(prompt) - 1)  # generate needs one prompt token left to run
+        kwargs[_cache_kwarg_generate(model)] = cache_from_kv(kv[:, :, :n])
+    streamer = _FirstToken()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         streamer=streamer, **kwargs)
+    reuse.ttft_s = (streamer.at or time.perf_counter()) - t0
+    if keep_kv:
+        reuse.kv = kv
+    return out[0, len(prompt):].tolist(), reuse
+
+
+def _cache_kwarg_generate(model) -> str:
+    import transformers
+    return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
