@@ -9,6 +9,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
+import threading
+import time
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -18,7 +20,17 @@ from . import bitstream as bs, cachegen, levels, profile as profiles
 from .profile import Profile
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A worker holds both ends of the pool's call queue, so it never sees EOF when its parent is
+    SIGKILLed: watch for being re-parented instead, and go."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
 def _init_worker(profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -> None:
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     torch.set_num_threads(1)
     known = [profiles.register(Profile.load(p)) for p in profile_paths] + profiles.shipped()
     # Any worker may get any substream, so each builds all models up front rather than

@@ -365,3 +365,12 @@ def _healthy(c) -> bool:
         return c.health()["status"] == "ok"
     except ClientError:
         return False
+
+
+def test_a_killed_daemon_leaves_no_worker_processes(cluster):
+    (a,) = cluster(["a"], codec={"chunk_tokens": CHUNK, "workers": 2})
+    children = psutil.Process(a.proc.pid).children(recursive=True)
+    assert len(children) >= 2  # the codec pool (and multiprocessing's resource tracker)
+    a.kill()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphaned after SIGKILL: {[p.cmdline()[-1][:60] for p in alive]}"

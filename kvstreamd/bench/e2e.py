@@ -241,7 +241,7 @@ def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadlin
                 for row in new:
                     row.update(run=r, tokens=tokens, doc_tokens=doc_len)
                 rows += new
-        report = {"model": lm.model_id, "shaped": h.shaped, "deadline_ms": deadline_ms, "chunk_tokens": chunk_tokens,
+        report = {"model": lm.model_id, "shaped": h.shaped, "trace": trace, "deadline_ms": deadline_ms, "chunk_tokens": chunk_tokens,
                   "question": QUESTION, "generate": GENERATE, "results": summarise(rows), "runs": rows}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -296,10 +296,15 @@ def plot(report: dict, path: str) -> None:
         ax1.set_ylabel("MB sent (bar colour: level chosen)")
         ax1b = ax1.twinx()
         ax1b.plot(xs, [c["seen_mbit"] or 0 for c in chunks], "o-", color="#2166ac", label="bandwidth seen")
+        if report["shaped"] and not report.get("trace"):
+            ax1b.axhline(r["bandwidth_mbit"], ls="--", color="#2166ac", alpha=0.5, label="link rate (tbf)")
         ax1b.set_ylabel("Mbit/s seen by host b")
-        ax1b.set_ylim(bottom=0)
+        ax1b.set_ylim(bottom=0, top=max([c["seen_mbit"] or 0 for c in chunks] + [r["bandwidth_mbit"]]) * 1.25)
+        ax1b.legend(loc="upper right", fontsize=8)
+        ax1.set_xticks(xs)
         handles = [plt.Rectangle((0, 0), 1, 1, color=colors[lv]) for lv in colors if any(c["level"] == lv for c in chunks)]
         ax1.legend(handles, [lv for lv in colors if any(c["level"] == lv for c in chunks)], loc="upper left", fontsize=8)
+        ax1.set_ylim(top=max(c["bytes"] for c in chunks) / 1e6 * 1.25)
         ax1.set_title(f"kvstreamd at {r['bandwidth_mbit']:g} Mbit/s, {r['tokens']} tokens")
     res = [x for x in report["results"] if kvs and x["bandwidth_mbit"] == kvs[0]["bandwidth_mbit"]
            and x["tokens"] == kvs[0]["tokens"]] or report["results"]
