@@ -76,7 +76,7 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     for ev in reuse.events:  # in prompt order: each TEXT chunk runs on top of every chunk before it
         if ev.kind != "text":
             continue
-        cache = cache_from_kv(kv[:, :, :ev.start])
+        cache = cache_from_kv(kv[:, :, :ev.start], dtype)
         model(input_ids=torch.tensor([prompt[ev.start:ev.end]]), use_cache=True, logits_to_keep=1, **{name: cache})
         kv[:, :, ev.start:ev.end] = kv_from_cache(cache)[:, :, ev.start:ev.end]
         reuse.text_tokens += ev.end - ev.start
@@ -117,7 +117,7 @@ def generate(model, prompt: list[int], client: Client | None, model_id: str, *, 
     kwargs = dict(generate_kwargs)
     if kv is not None:
         n = min(kv.shape[2], len(prompt) - 1)  # generate needs one prompt token left to run
-        kwargs[_cache_kwarg_generate(model)] = cache_from_kv(kv[:, :, :n])
+        kwargs[_cache_kwarg_generate(model)] = cache_from_kv(kv[:, :, :n], next(model.parameters()).dtype)
     streamer = _FirstToken()
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          streamer=streamer, **kwargs)

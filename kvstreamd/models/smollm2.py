@@ -265,18 +265,21 @@ def kv_from_cache(past_key_values) -> torch.Tensor:
     return kv.transpose(2, 3).contiguous()
 
 
-def cache_from_kv(kv: torch.Tensor):
-    """A `DynamicCache` holding `kv` (`[L, 2, T, H, D]`), ready to continue the model after it.
-    The cache owns copies, so running the model on it never writes into `kv`."""
+def cache_from_kv(kv: torch.Tensor, dtype: torch.dtype | None = None):
+    """A `DynamicCache` holding `kv` (`[L, 2, T, H, D]`, converted to `dtype` if given), ready to
+    continue the model after it. The cache owns its copy (one strided pass over `kv` into the
+    model's `[1, H, T, D]` layout; each layer is a view of it), so running the model on it never
+    writes into `kv`."""
     from transformers import DynamicCache
 
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"expected a KV tensor [L, 2, T, H, D], got shape {tuple(kv.shape)}")
+    L, _, T, H, D = kv.shape
+    heads_first = torch.empty((L, 2, H, T, D), dtype=dtype or kv.dtype)
+    heads_first.copy_(kv.permute(0, 1, 3, 2, 4))
     cache = DynamicCache()
-    for i in range(kv.shape[0]):
-        k = kv[i, 0].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, T, D]
-        v = kv[i, 1].transpose(0, 1).unsqueeze(0).contiguous()
-        cache.update(k, v, i)
+    for i in range(L):
+        cache.update(heads_first[i, 0].unsqueeze(0), heads_first[i, 1].unsqueeze(0), i)
     return cache
 
 
@@ -306,7 +309,7 @@ def _forward(lm: LoadedModel, tokens, kv: torch.Tensor | None, all_logits: bool)
         raise ValueError(f"{prior} + {ids.numel()} tokens exceed the model's {lm.max_positions} positions")
     if kv is not None:
         _check_kv(lm, kv)
-        cache = cache_from_kv(kv.to(torch.float32))  # a decoded cache may come as fp16/bf16
+        cache = cache_from_kv(kv, torch.float32)  # a decoded cache may come as fp16/bf16
     else:
         from transformers import DynamicCache
 
