@@ -36,6 +36,7 @@ class Reuse:
     recompute_s: float = 0.0  # TEXT chunks, run here
     ttft_s: float | None = None  # prompt in -> first generated token (set by generate)
     kv: torch.Tensor | None = None  # the prefix KV used, when generate(keep_kv=True)
+    cache_s: float = 0.0  # building the model's cache from the fetched KV
 
     @property
     def levels(self) -> list[str]:
@@ -116,8 +117,10 @@ def generate(model, prompt: list[int], client: Client | None, model_id: str, *, 
         recompute_tokens_per_s=recompute_tokens_per_s, on_chunk=on_chunk)
     kwargs = dict(generate_kwargs)
     if kv is not None:
+        t1 = time.perf_counter()
         n = min(kv.shape[2], len(prompt) - 1)  # generate needs one prompt token left to run
         kwargs[_cache_kwarg_generate(model)] = cache_from_kv(kv[:, :, :n], next(model.parameters()).dtype)
+        reuse.cache_s = time.perf_counter() - t1
     streamer = _FirstToken()
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          streamer=streamer, **kwargs)
