@@ -52,7 +52,7 @@ def _demo(args: argparse.Namespace) -> int:
                      plot_path=args.plot, progress=not args.quiet, chunk_tokens=args.chunk_tokens)
     print()
     print(f"{report['model']}, document of {report['runs'][0]['doc_tokens']} WikiText-2 tokens stored on host a, "
-          f"prompt = document + question on host b, deadline {report['deadline_ms']} ms"
+          f"prompt = document + question on host b, deadline {report['runs'][0]['deadline_ms']} ms"
           + ("" if report["shaped"] else "  [loopback: not shaped]"))
     print(e2e.table(report))
     print("\nlevels kvstreamd chose per chunk:", e2e.levels_line(report))
@@ -234,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--bandwidth", nargs="+", default=["100mbit"])
     be.add_argument("--tokens", nargs="+", type=int, default=[4096])
     be.add_argument("--runs", type=int, default=3, help="documents per token count (medians are reported)")
-    be.add_argument("--deadline-ms", type=int, default=1500)
+    be.add_argument("--deadline-ms", type=int, default=None, help="default: 500 ms per 1024 tokens")
     be.add_argument("--methods", nargs="+", default=None, choices=["recompute", "fp16", "int8", "kvstreamd"])
     be.add_argument("--trace", help="bandwidth trace: Mbit/s per line, one step each --trace-step-ms")
     be.add_argument("--trace-step-ms", type=int, default=500)
@@ -246,7 +246,7 @@ def parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="two hosts, the real model: store a document on one, answer on the other")
     demo.add_argument("--bandwidth", default="100mbit")
     demo.add_argument("--tokens", type=int, default=4096)
-    demo.add_argument("--deadline-ms", type=int, default=1500)
+    demo.add_argument("--deadline-ms", type=int, default=None, help="default: 500 ms per 1024 tokens")
     demo.add_argument("--trace", help="bandwidth trace: Mbit/s per line, one step each --trace-step-ms")
     demo.add_argument("--trace-step-ms", type=int, default=500)
     demo.add_argument("--json", default="bench-out/demo.json")
