@@ -2,6 +2,9 @@
 quantize, entropy-code -- per (layer, K/V) substream, each independent of the others."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import numpy as np
 import torch
 
@@ -69,17 +72,16 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
 
 def decode_stream_into(h: bs.Header, s: int, profile: Profile, out: torch.Tensor) -> None:
     """Substream s -> out [T - sink, H, D] (a view into the chunk's tensor, any float dtype).
-    The work happens in a small float32 buffer that stays in cache; out gets one converting copy."""
-    if out.dtype != torch.float32 or not out.is_contiguous():
-        work = torch.empty(out.shape, dtype=torch.float32)
-        decode_stream_into(h, s, profile, work)
-        out.copy_(work)
-        return
+    The work happens in a small float32 buffer that stays in cache; out gets one converting
+    write (for keys, the re-rotation's last step writes it)."""
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    work = out if direct else torch.empty(out.shape, dtype=torch.float32)
     layer, k_or_v = divmod(s, 2)
     n = h.tokens - h.sink_tokens
     step = float(h.steps[layer, k_or_v])
     data = h.substreams[s]
-    flat = out.view(n, h.heads * h.head_dim)
+    flat = work.view(n, h.heads * h.head_dim)
+    scratch = None
     if h.transforms & bs.DELTA:
         rows_a = len(anchor.anchor_rows(n, h.group))
         (a_sym, _), (d_sym, _) = entropy.decode_blocks(data, [(rows_a, profile.models("anchor", layer, k_or_v, h.anchor_step)),
@@ -88,20 +90,77 @@ def decode_stream_into(h: bs.Header, s: int, profile: Profile, out: torch.Tensor
         d_hat = dequantize(d_sym.T, torch.from_numpy(profile.tensors["delta_sigma"][layer, k_or_v]) * step)
         flat.copy_(anchor.merge(a_hat, d_hat, n, h.group) + torch.from_numpy(profile.tensors["chan_mean"][layer, k_or_v]))
     else:
-        ((sym, _),) = entropy.decode_blocks(data, [(n, profile.models("pca", layer, k_or_v, step))])
+        models = profile.models("pca", layer, k_or_v, step)
+        ((sym, _),) = entropy.decode_blocks(data, [(n, models)])
         if h.transforms & bs.PCA:
-            pca.inverse_into(flat, torch.from_numpy(sym).to(torch.float32), profile.component_steps(layer, k_or_v, step),
-                             torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v))
+            mean, scaled = _pca_inverse(h, profile, layer, k_or_v)
+            # Converted in place (int32 and float32 have the same size): one buffer fewer.
+            scratch = torch.from_numpy(sym.view(np.float32))
+            scratch.copy_(torch.from_numpy(sym))
+            pca.inverse_scaled_into(flat, scratch, mean, scaled)
         else:
             flat.copy_(dequantize(sym.T, torch.tensor(step)))
     if h.transforms & bs.UNROTATE_KEYS and k_or_v == 0:
-        out.copy_(rope.rerotate(out, h.start + h.sink_tokens, profile.rope_theta))
+        # The symbols' float copy is dead once the GEMM has run: the rotation works in it.
+        rope.rerotate_into(work, h.start + h.sink_tokens, profile.rope_theta, out, scratch)
+    elif not direct:
+        out.copy_(work)
+
+
+# The GEMM operands of the inverse PCA (pca.scaled_inverse) of every stream, one tensor per
+# (profile, step table): a chunk's header fixes all its streams' steps, and the chunks of a
+# level share them. Built in one piece (many small long-lived tensors among the decoder's
+# large short-lived buffers fragment the heap), least recently used dropped first, and only
+# while they fit SCALED_BASES_BUDGET bytes; beyond it, each stream scales its own.
+SCALED_BASES_BUDGET = 64 << 20
+_scaled_bases: OrderedDict[tuple[bytes, bytes], torch.Tensor] = OrderedDict()
+_scaled_bases_lock = threading.Lock()
+
+
+def _scaled_bases_table(profile: Profile, steps: np.ndarray) -> torch.Tensor | None:
+    """[L, 2, blocks, b, b] for the steps [L, 2] of a chunk (each block transposed), or None
+    where it would not fit."""
+    L = profile.layers
+    nb, b, _ = profile.basis(0, 0).shape
+    table_bytes = L * 2 * nb * b * b * 4
+    if table_bytes > SCALED_BASES_BUDGET:
+        return None
+    key = (profile.id, np.ascontiguousarray(steps, np.float32).tobytes())
+    with _scaled_bases_lock:
+        table = _scaled_bases.get(key)
+        if table is not None:
+            _scaled_bases.move_to_end(key)
+            return table
+    # Stored as the contiguous tensors that scaled_inverse's operands are transposed views of:
+    # the GEMM must see the same layout to round the same way.
+    blocks = [m.T for layer in range(L) for kv in range(2)
+              for m in pca.scaled_inverse(profile.component_steps(layer, kv, float(steps[layer, kv])),
+                                          profile.basis(layer, kv))]
+    table = torch.stack(blocks).view(L, 2, nb, b, b)
+    with _scaled_bases_lock:
+        _scaled_bases[key] = table
+        while len(_scaled_bases) * table_bytes > SCALED_BASES_BUDGET:
+            _scaled_bases.popitem(last=False)
+    return table
+
+
+def _pca_inverse(h: bs.Header, profile: Profile, layer: int, k_or_v: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The mean and the step-scaled bases of one PCA stream of chunk h."""
+    mean = torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v])
+    table = _scaled_bases_table(profile, h.steps)
+    if table is None:
+        step = float(h.steps[layer, k_or_v])
+        return mean, pca.scaled_inverse(profile.component_steps(layer, k_or_v, step), profile.basis(layer, k_or_v))
+    return mean, [m.T for m in table[layer, k_or_v]]
 
 
 def warm(profile: Profile, level: str | levels.Level) -> None:
-    """Build every entropy model that coding at `level` uses, ahead of the first chunk."""
+    """Build every entropy model that coding at `level` uses, and what decoding it uses, ahead
+    of the first chunk."""
     lv = levels.get(level)
     steps = lv.steps(profile)
+    if lv.transforms & bs.PCA:
+        _scaled_bases_table(profile, steps)
     for layer in range(profile.layers):
         for k_or_v in range(2):
             step = float(steps[layer, k_or_v])

@@ -11,10 +11,11 @@ to decode, which is where most of the decode speed at the coarser levels comes f
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import constriction
 import numpy as np
+import torch
 
 from .errors import CodecError
 
@@ -37,6 +38,8 @@ class ComponentModels:
     categoricals: list
     half: np.ndarray  # M per component: symbols -M..M map to 0..2M, 2M+1 is the escape
     pairs: list  # the pair model of each component, or None where its alphabet is too large
+    # What the decoder derives once from these models and keeps with them (_pair_runs).
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.categoricals)
@@ -144,43 +147,76 @@ def decode_blocks(data: bytes | memoryview, blocks: list[tuple[int, ComponentMod
 
     out = []
     start = 0
+    n_esc_found = 0
     for rows, models in blocks:
         coded = coded_all[start:start + len(models)]
         start += len(models)
-        # Component-major so each decode fills a contiguous row; offsets and escapes are then
-        # handled for the whole block at once.
-        symbols = np.zeros((len(models), rows), dtype=np.int32)
-        n2 = rows // 2
-        paired = np.zeros((len(models), n2), dtype=np.int32)
-        is_paired = np.zeros(len(models), dtype=bool)
-        for c in np.flatnonzero(coded):
-            pair = models.pairs[c]
-            if pair is None:
-                symbols[c] = coder.decode(models.categoricals[c], rows)
-                continue
-            is_paired[c] = True
-            if n2:
-                paired[c] = coder.decode(pair, n2)
-            if rows % 2:
-                symbols[c, -1] = coder.decode(models.categoricals[c], 1)[0]
-        if n2 and is_paired.any():
-            rows_p = np.flatnonzero(is_paired)
-            p = paired[rows_p]
-            symbols[rows_p, 0:2 * n2:2] = p >> 4
-            symbols[rows_p, 1:2 * n2:2] = p & (PAIR_MAX_ALPHABET - 1)
-        half = models.half[:, None]
-        esc = (symbols == 2 * half + 1) & coded[:, None]
-        symbols -= half * coded[:, None]
+        symbols, esc = _decode_block(coder, rows, models, coded)
+        n_esc_found += esc[0].size
         out.append((symbols, coded, esc))
-    n_esc_found = sum(int(e.sum()) for _, _, e in out)
     if n_esc_found != escaped.size or not coder.is_empty():
         raise CodecError("substream did not decode to its exact end (damaged or mismatched profile)")
     result = []
+    k = 0
     for symbols, coded, esc in out:
-        if n_esc_found:
-            # Escaped values were written in decode order: component by component.
-            k = int(esc.sum())
-            symbols[esc] = escaped[:k]
-            escaped = escaped[k:]
+        if esc[0].size:
+            # Escaped values were written in decode order: component by component, tokens in order.
+            symbols[esc] = escaped[k:k + esc[0].size]
+            k += esc[0].size
         result.append((symbols, coded))
     return result
+
+
+def _pair_runs(models: ComponentModels) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of consecutive components coded in pairs (a few per stream: small
+    alphabets go with the low-variance components)."""
+    runs = models.derived.get("pair_runs")
+    if runs is None:
+        paired = np.array([p is not None for p in models.pairs] + [False])
+        edges = np.flatnonzero(np.diff(np.concatenate([[False], paired]).astype(np.int8)))
+        runs = models.derived["pair_runs"] = [(int(a), int(b)) for a, b in zip(edges[0::2], edges[1::2])]
+    return runs
+
+
+def _decode_block(coder, rows: int, models: ComponentModels,
+                  coded: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """One block's coded components from the coder, in order. Returns the symbols [C, rows]
+    (offset back to signed values, zero rows for uncoded components, escapes not yet filled
+    in) and the (component, token) positions of the escapes in the order their raw values
+    were written."""
+    n_models = len(models)
+    n2, odd = divmod(rows, 2)
+    symbols = np.empty((n_models, rows), dtype=np.int32)
+    pair_syms = np.empty((n_models, n2), dtype=np.int32)  # rows of the paired components only
+    if not coded.all():
+        symbols[~coded] = 0
+        pair_syms[~coded] = 0  # splits into two zeros
+    cats, pairs = models.categoricals, models.pairs
+    decode = coder.decode
+    odd_rows, odd_syms = [], []
+    # The decoder's only Python-level work per component: one call and one row copy each.
+    for c in np.flatnonzero(coded).tolist():
+        pair = pairs[c]
+        if pair is None:
+            symbols[c] = decode(cats[c], rows)
+            continue
+        if n2:
+            pair_syms[c] = decode(pair, n2)
+        if odd:
+            odd_rows.append(c)
+            odd_syms.append(decode(cats[c]))
+    if n2:
+        # Split the pairs of each run of paired components straight into their rows.
+        for lo, hi in _pair_runs(models):
+            np.right_shift(pair_syms[lo:hi], 4, out=symbols[lo:hi, 0:2 * n2:2])
+            np.bitwise_and(pair_syms[lo:hi], PAIR_MAX_ALPHABET - 1, out=symbols[lo:hi, 1:2 * n2:2])
+    if odd_rows:
+        symbols[odd_rows, rows - 1] = odd_syms
+    if not rows:
+        return symbols, (np.zeros(0, np.intp), np.zeros(0, np.intp))
+    half = models.half
+    top = 2 * half + 1  # the escape symbol; nothing above it is valid, so row maxima find escapes
+    maybe = np.flatnonzero(coded & (symbols.max(axis=1) >= top))
+    comp, tok = np.divmod(np.flatnonzero(symbols[maybe] == top[maybe, None]), rows)  # the written order
+    torch.from_numpy(symbols).sub_(torch.from_numpy((half * coded).astype(np.int32)[:, None]))
+    return symbols, (maybe[comp], tok)

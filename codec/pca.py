@@ -39,10 +39,25 @@ def inverse_into(out: torch.Tensor, symbols: torch.Tensor, steps: torch.Tensor, 
 
     The decoder's hot path: step and the transpose fold into one GEMM per block, written
     straight into the destination."""
+    inverse_scaled_into(out, symbols, mean, scaled_inverse(steps, bases))
+
+
+def scaled_inverse(steps: torch.Tensor, bases: torch.Tensor) -> list[torch.Tensor]:
+    """Per block, the GEMM operand of inverse_into: the basis transposed, row c scaled by the
+    step of component c -- a transposed view of a contiguous tensor (the layout the GEMM has
+    always been given: it decides how the GEMM rounds). Depends only on the stream and its
+    step, so decoders cache it."""
     nb, b, _ = bases.shape
-    if nb == 1:
-        torch.addmm(mean, symbols.T, bases[0].T * steps[:, None], out=out)
+    return [(bases[i] * steps[i * b:(i + 1) * b]).T for i in range(nb)]
+
+
+def inverse_scaled_into(out: torch.Tensor, symbols: torch.Tensor, mean: torch.Tensor,
+                        scaled: list[torch.Tensor]) -> None:
+    """inverse_into with the operands of scaled_inverse."""
+    if len(scaled) == 1:
+        torch.addmm(mean, symbols.T, scaled[0], out=out)
         return
-    for i in range(nb):
+    b = scaled[0].shape[0]
+    for i, m in enumerate(scaled):
         blk = slice(i * b, (i + 1) * b)
-        out[:, blk] = torch.addmm(mean[blk], symbols[blk].T, bases[i].T * steps[blk, None])
+        out[:, blk] = torch.addmm(mean[blk], symbols[blk].T, m)

@@ -39,3 +39,30 @@ def unrotate(keys: torch.Tensor, start: int, theta: float) -> torch.Tensor:
 def rerotate(keys: torch.Tensor, start: int, theta: float) -> torch.Tensor:
     """Inverse of unrotate: keys at position 0 -> post-RoPE keys at positions start.."""
     return _rotate(keys, start, theta, 1.0)
+
+
+@lru_cache(maxsize=2)
+def _rerotation(start: int, n: int, heads: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, heads, head_dim] float32 (cos, cos) and (-sin, sin), laid out like the keys so the
+    decoder's multiplies run over plain contiguous memory (broadcasting over heads is slower).
+    Few are kept: all key streams of a chunk share one."""
+    cos, sin = _cos_sin(start, n, head_dim, theta)
+    shape = (n, heads, head_dim)
+    return (torch.cat([cos, cos], -1).expand(shape).contiguous(),
+            torch.cat([-sin, sin], -1).expand(shape).contiguous())
+
+
+def rerotate_into(keys: torch.Tensor, start: int, theta: float, out: torch.Tensor,
+                  scratch: torch.Tensor | None = None) -> None:
+    """out = rerotate(keys, start, theta), written in out's dtype with a single rounding. keys
+    is overwritten (out may be keys itself); scratch, if given, is a float32 buffer of keys'
+    size to work in. The decoder's path: the same products and sums as _rotate -- x1*cos -
+    x2*sin is exactly x1*cos + x2*(-sin) -- so the values are bit-identical."""
+    n, heads, head_dim = keys.shape
+    half = head_dim // 2
+    cos, sin = _rerotation(start, n, heads, head_dim, float(theta))
+    b = torch.empty_like(keys) if scratch is None else scratch.view(keys.shape)
+    torch.mul(keys[..., half:], sin[..., :half], out=b[..., :half])
+    torch.mul(keys[..., :half], sin[..., half:], out=b[..., half:])
+    keys.mul_(cos)
+    torch.add(keys, b, out=out)
