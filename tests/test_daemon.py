@@ -269,6 +269,8 @@ def test_fifty_concurrent_fetches_are_correct_and_memory_stays_bounded(cluster, 
     results = asyncio.run(main())
     assert len(results) == 50 and all(len(r) == 3 for r in results)
     growth = peak[0] - base
+    print(f"\n50 fetches, 8 at a time: daemon b's RSS (with its codec workers) {base / 1e6:.0f} MB before, "
+          f"peak {peak[0] / 1e6:.0f} MB (+{growth / 1e6:.0f} MB)")
     # 8 fetches at a time, each with a 35 MB buffer and a few chunks in flight; 50 unbounded would be
     # far more. The bound holds with a wide margin for allocator noise.
     assert growth < 700e6, f"RSS grew by {growth / 1e6:.0f} MB"
