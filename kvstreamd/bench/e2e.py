@@ -316,8 +316,8 @@ def plot(report: dict, path: str) -> None:
     res = [x for x in report["results"] if kvs and x["bandwidth_mbit"] == kvs[0]["bandwidth_mbit"]
            and x["tokens"] == kvs[0]["tokens"]] or report["results"]
     res = sorted(res, key=lambda x: METHODS.index(x["method"]))
-    ax2.bar([x["method"] for x in res], [x["ttft_s"] for x in res],
-            color=["#d6604d", "#888888", "#bbbbbb", "#1b7837"][:len(res)])
+    method_colors = {"recompute": "#d6604d", "fp16": "#888888", "int8": "#bbbbbb", "kvstreamd": "#1b7837"}
+    ax2.bar([x["method"] for x in res], [x["ttft_s"] for x in res], color=[method_colors[x["method"]] for x in res])
     for i, x in enumerate(res):
         ax2.text(i, x["ttft_s"], f"{x['ttft_s']:.2f} s", ha="center", va="bottom", fontsize=9)
     ax2.set_ylabel("time to first token, s")
