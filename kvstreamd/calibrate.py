@@ -17,7 +17,7 @@ from codec.levels import LADDER, LEVELS
 from . import corpus, models, quality
 
 # What each level aims for on calibration text: the KL divergence of next-token distributions.
-LEVEL_KL_TARGETS = {"high": 0.0013, "balanced": 0.0028, "fast": 0.016}
+LEVEL_KL_TARGETS = {"high": 0.0012, "balanced": 0.0028, "fast": 0.016}
 
 
 def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = 1024) -> tuple[torch.Tensor, int]:
