@@ -113,6 +113,12 @@ def _model(d: "Daemon", body: dict):
         raise ApiError(400, "unknown_model", str(e)) from None
 
 
+def _prompt(d: "Daemon", body: dict):
+    """The fields a put and a fetch share: (model_id, its codec profile, tokens, dtype)."""
+    model_id, prof = _model(d, body)
+    return model_id, prof, _tokens(body), _dtype(body)
+
+
 def _dtype(body: dict) -> str:
     dtype = _field(body, "dtype", str, "float16")
     if dtype not in DTYPES:
@@ -190,9 +196,7 @@ async def lookup(request: web.Request) -> web.Response:
 async def put(request: web.Request) -> web.Response:
     d: Daemon = request.app["daemon"]
     body = await _body(request)
-    model_id, prof = _model(d, body)
-    tokens = _tokens(body)
-    dtype = _dtype(body)
+    model_id, prof, tokens, dtype = _prompt(d, body)
     name = _field(body, "buffer", str)
     shape = tuple(_field(body, "shape", list))
     L, H, D = prof.layers, prof.heads, prof.head_dim
@@ -218,9 +222,7 @@ async def put(request: web.Request) -> web.Response:
 async def fetch(request: web.Request) -> web.StreamResponse:
     d: Daemon = request.app["daemon"]
     body = await _body(request)
-    model_id, prof = _model(d, body)
-    tokens = _tokens(body)
-    dtype = _dtype(body)
+    model_id, prof, tokens, dtype = _prompt(d, body)
     deadline_ms = _field(body, "deadline_ms", int, d.cfg.stream.deadline_ms)
     if deadline_ms <= 0:
         raise ApiError(400, "bad_request", "deadline_ms must be > 0")

@@ -26,21 +26,18 @@ from kvstreamd.cluster import Node, wait_for
 CHUNK = 256
 
 
+def real_context(lm, char_offset: int, n_tokens: int):
+    """(model id, the first n_tokens of test.txt from char_offset on, their fp16 KV)."""
+    text = (corpus.wikitext_dir() / "test.txt").read_text()[char_offset:char_offset + 20 * n_tokens]
+    tokens = lm.tokenizer.encode(text)[:n_tokens]
+    _, kv = models.prefill(lm, tokens, all_logits=False)
+    return lm.model_id, tokens, kv.half()
+
+
 @pytest.fixture(scope="module")
 def context(lm):
     """A real 600-token WikiText-2 context (3 chunks of 256, 256, 88) and its fp16 KV."""
-    text = (corpus.wikitext_dir() / "test.txt").read_text()[20_000:30_000]
-    tokens = lm.tokenizer.encode(text)[:600]
-    _, kv = models.prefill(lm, tokens, all_logits=False)
-    return lm.model_id, tokens, kv.half()
-
-
-@pytest.fixture(scope="module")
-def other_context(lm):
-    text = (corpus.wikitext_dir() / "test.txt").read_text()[60_000:70_000]
-    tokens = lm.tokenizer.encode(text)[:300]
-    _, kv = models.prefill(lm, tokens, all_logits=False)
-    return lm.model_id, tokens, kv.half()
+    return real_context(lm, 20_000, 600)
 
 
 def expected_chunk(kv: torch.Tensor, i: int, level: str, model_id: str) -> torch.Tensor:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstreamd import corpus, models, netlab
+from kvstreamd import netlab
 from kvstreamd.cluster import Node, wait_for
 
-from test_daemon import CHUNK, expected_chunk
+from test_daemon import CHUNK, expected_chunk, real_context
 
 ok, why = netlab.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
@@ -19,18 +19,12 @@ pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces
 @pytest.fixture(scope="module")
 def long_context(lm):
     """1024 real tokens: four 256-token chunks, ~1.1 MB each at `high` (about a second each at 8 Mbit/s)."""
-    text = (corpus.wikitext_dir() / "test.txt").read_text()[100_000:115_000]
-    tokens = lm.tokenizer.encode(text)[:1024]
-    _, kv = models.prefill(lm, tokens, all_logits=False)
-    return lm.model_id, tokens, kv.half()
+    return real_context(lm, 100_000, 1024)
 
 
 @pytest.fixture(scope="module")
 def short_context(lm):
-    text = (corpus.wikitext_dir() / "test.txt").read_text()[140_000:145_000]
-    tokens = lm.tokenizer.encode(text)[:300]
-    _, kv = models.prefill(lm, tokens, all_logits=False)
-    return lm.model_id, tokens, kv.half()
+    return real_context(lm, 140_000, 300)
 
 
 def fetch_killing(node: Node, victim: Node, model_id: str, tokens: list[int]):

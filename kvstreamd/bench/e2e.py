@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from .. import corpus, models, netlab, quality
-from ..client import ClientError
 from ..cluster import Node, wait_for
 from ..models.cluster import generate
 
@@ -328,4 +327,4 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["run", "table", "plot", "levels_line", "ClientError"]
+__all__ = ["run", "table", "plot", "levels_line"]

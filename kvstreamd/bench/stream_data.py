@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-import codec
 from codec import baselines, profile as profiles
 from codec.parallel import CodecPool
 
