@@ -26,7 +26,8 @@ UNROTATE_KEYS = 1
 PCA = 2
 DELTA = 4
 SINK = 8
-KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK
+RANS = 16  # entropy coder: lane rANS (codec/rans.py); without it, constriction's ANS
+KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK | RANS
 
 DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -91,6 +92,8 @@ def unpack(data: bytes | bytearray | memoryview) -> Header:
         raise CodecError(f"bitstream has an impossible shape L={layers} H={heads} D={head_dim} T={tokens}")
     if n_sub != 2 * layers:
         raise CodecError(f"bitstream has {n_sub} substreams for {layers} layers (expected {2 * layers})")
+    if transforms & DELTA and transforms & RANS:
+        raise CodecError("bitstream combines anchor/delta with lane rANS, which codes only single blocks")
     if transforms & DELTA and group < 2:
         raise CodecError(f"bitstream uses anchor/delta with group size {group}")
     pos = _FIXED.size

@@ -8,7 +8,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from . import anchor, bitstream as bs, entropy, levels, pca, profile as profiles, rope
+from . import anchor, bitstream as bs, entropy, levels, pca, profile as profiles, rans, rope
 from .errors import CodecError
 from .profile import Profile
 from .quantize import dequantize, quantize
@@ -67,6 +67,8 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
         sym = quantize(x, profile.component_steps(layer, k_or_v, step))
     else:
         sym = quantize(x, torch.tensor(step))
+    if transforms & bs.RANS:
+        return rans.encode_block(sym, profile.rans_models(layer, k_or_v, step))
     return entropy.encode_blocks([(sym, profile.models("pca", layer, k_or_v, step))])
 
 
@@ -90,8 +92,10 @@ def decode_stream_into(h: bs.Header, s: int, profile: Profile, out: torch.Tensor
         d_hat = dequantize(d_sym.T, torch.from_numpy(profile.tensors["delta_sigma"][layer, k_or_v]) * step)
         flat.copy_(anchor.merge(a_hat, d_hat, n, h.group) + torch.from_numpy(profile.tensors["chan_mean"][layer, k_or_v]))
     else:
-        models = profile.models("pca", layer, k_or_v, step)
-        ((sym, _),) = entropy.decode_blocks(data, [(n, models)])
+        if h.transforms & bs.RANS:
+            sym, _ = rans.decode_block(data, n, profile.rans_models(layer, k_or_v, step))
+        else:
+            ((sym, _),) = entropy.decode_blocks(data, [(n, profile.models("pca", layer, k_or_v, step))])
         if h.transforms & bs.PCA:
             mean, scaled = _pca_inverse(h, profile, layer, k_or_v)
             # Converted in place (int32 and float32 have the same size): one buffer fewer.
@@ -167,6 +171,8 @@ def warm(profile: Profile, level: str | levels.Level) -> None:
             if lv.transforms & bs.DELTA:
                 profile.models("anchor", layer, k_or_v, lv.anchor_step)
                 profile.models("delta", layer, k_or_v, step)
+            elif lv.transforms & bs.RANS:
+                profile.rans_models(layer, k_or_v, step)
             else:
                 profile.models("pca", layer, k_or_v, step)
 

@@ -45,8 +45,10 @@ class ComponentModels:
         return len(self.categoricals)
 
 
-def build_models(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray, cdf: np.ndarray) -> ComponentModels:
-    """Distributions for components with standard deviations sigma[C] quantized with step[C].
+def component_probs(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray,
+                    cdf: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The alphabet half-widths M [C] and distributions (float64 [2M + 2], escape last) of
+    components with standard deviations sigma[C] quantized with step[C].
 
     grid/cdf: the pooled CDF of value/sigma for this block, on an increasing grid.
     """
@@ -56,7 +58,7 @@ def build_models(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray, cdf: np.
     inside = grid[(grid >= 0) & (tails <= TAIL_MASS)]
     extent = float(inside[0]) if inside.size else float(grid[-1])
     halves = np.clip(np.ceil(extent / ratio), 1, MAX_HALF_ALPHABET).astype(np.int64)
-    cats, pairs = [], []
+    dists = []
     for r, m in zip(ratio, halves):
         edges = (np.arange(-m, m + 2, dtype=np.float64) - 0.5) * r
         f = np.interp(edges, grid, cdf, left=0.0, right=1.0)
@@ -64,7 +66,16 @@ def build_models(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray, cdf: np.
         probs[:-1] = np.diff(f)
         probs[-1] = f[0] + (1.0 - f[-1])  # both tails -> escape
         probs = np.maximum(probs, 0.0) + PROB_FLOOR
-        probs /= probs.sum()
+        dists.append(probs / probs.sum())
+    return halves, dists
+
+
+def build_models(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray, cdf: np.ndarray) -> ComponentModels:
+    """constriction's distributions for components with standard deviations sigma[C]
+    quantized with step[C] (see component_probs)."""
+    halves, dists = component_probs(sigma, step, grid, cdf)
+    cats, pairs = [], []
+    for probs in dists:
         cats.append(constriction.stream.model.Categorical(probs.astype(np.float32), perfect=False))
         if probs.size <= PAIR_MAX_ALPHABET:
             # Radix 16 whatever the alphabet, so pairs split with shifts, for a whole block at once.

@@ -31,7 +31,7 @@ class Level:
         return np.repeat(per_layer[:, None], 2, axis=1)
 
 
-OURS = bs.UNROTATE_KEYS | bs.PCA | bs.SINK
+OURS = bs.UNROTATE_KEYS | bs.PCA | bs.SINK | bs.RANS
 
 # A calibrated profile carries its own scale per level (tuned on valid.txt by `kvstreamd profile
 # calibrate`, never on test.txt) and that wins; these scales serve a profile without that table.

@@ -18,7 +18,8 @@ import safetensors.numpy
 import torch
 
 from . import anchor, pca, quantize, rope
-from .entropy import ComponentModels, build_models
+from .entropy import ComponentModels, build_models, component_probs
+from .rans import RansModels
 from .errors import CodecError
 
 FORMAT = "kvstreamd-profile"
@@ -104,14 +105,25 @@ class Profile:
         return self._basis[key]
 
     def models(self, kind: str, layer: int, kv: int, step: float) -> ComponentModels:
-        """Entropy models of one (layer, K/V) for kind 'pca' (step per stream), or 'anchor' /
-        'delta' (step as a multiple of each channel's standard deviation). Cached."""
+        """constriction entropy models of one (layer, K/V) for kind 'pca' (step per stream),
+        or 'anchor' / 'delta' (step as a multiple of each channel's standard deviation). Cached."""
         key = (kind, layer, kv, float(step))
         if key not in self._models:
-            sigma = self.tensors[f"{kind}_sigma"][layer, kv]
-            steps = step * (sigma if kind != "pca" else self.tensors["pca_step_scale"][layer, kv].astype(np.float64))
-            self._models[key] = build_models(sigma, steps, grid(), self.tensors[f"{kind}_cdf"][layer, kv])
+            self._models[key] = build_models(*self._model_inputs(kind, layer, kv, step))
         return self._models[key]
+
+    def rans_models(self, layer: int, kv: int, step: float) -> RansModels:
+        """The same distributions as models('pca', ...), as lane rANS's integer tables. Cached."""
+        key = ("rans", layer, kv, float(step))
+        if key not in self._models:
+            halves, dists = component_probs(*self._model_inputs("pca", layer, kv, step))
+            self._models[key] = RansModels.build(dists, halves)
+        return self._models[key]
+
+    def _model_inputs(self, kind: str, layer: int, kv: int, step: float):
+        sigma = self.tensors[f"{kind}_sigma"][layer, kv]
+        steps = step * (sigma if kind != "pca" else self.tensors["pca_step_scale"][layer, kv].astype(np.float64))
+        return sigma, steps, grid(), self.tensors[f"{kind}_cdf"][layer, kv]
 
     # -- files --------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
