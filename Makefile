@@ -11,8 +11,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	# iproute2 (ip, tc) builds the shaped test links; present on these machines, installed if not.
 	command -v tc >/dev/null || (apt-get update -q && apt-get install -y -q iproute2)
-	# A C compiler builds the codec's lane rANS library at first use (without one it falls back to a 100x slower NumPy path).
-	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc libc6-dev)
+	# A C compiler builds the codec's lane rANS library at first use (without one it falls back to a 100x
+	# slower NumPy path); the tests also build the CUDA kernel's source for the host with a C++ compiler.
+	command -v cc >/dev/null && command -v c++ >/dev/null || (apt-get update -q && apt-get install -y -q gcc g++ libc6-dev)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: this version's CPU build is on the machine's disk; anything else downloads GBs.

@@ -12,7 +12,7 @@
 int lane_rans_decode(uint32_t n_lanes, const uint16_t *words, const int64_t *word_start,
                      const uint32_t *comp_start, const uint32_t *rows, const uint32_t *comp_model,
                      const int64_t *out_off, const uint32_t *cum, const uint32_t *cum_off,
-                     const uint16_t *bucket, int32_t *out, int64_t *bad_lane)
+                     const uint16_t *bucket, const uint32_t *alphabet, int32_t *out, int64_t *bad_lane)
 {
     for (uint32_t l = 0; l < n_lanes; l++) {
         int64_t w0 = word_start[l], w1 = word_start[l + 1];
@@ -22,7 +22,7 @@ int lane_rans_decode(uint32_t n_lanes, const uint16_t *words, const int64_t *wor
         }
         uint32_t c0 = comp_start[l];
         int err = rans_decode_lane(words + w0, (uint32_t)(w1 - w0), comp_model + c0, out_off + c0,
-                                   comp_start[l + 1] - c0, rows[l], cum, cum_off, bucket, out);
+                                   comp_start[l + 1] - c0, rows[l], cum, cum_off, bucket, alphabet, out);
         if (err) {
             *bad_lane = l;
             return err;

@@ -18,7 +18,10 @@
  * finds the s with cum[s] <= slot < cum[s+1] decodes the same symbols.
  *
  * The includer defines RANS_FN (function qualifiers) and, where <stdint.h> is not there,
- * the fixed-width integer types.
+ * the fixed-width integer types. What the decoder writes is RANS_OUT_T, made from symbol s
+ * of a model with alphabet a by RANS_STORE(s, a): by default the int32 symbol index; the GPU
+ * build also has a variant that writes the dequantizer's input (the signed value as a float,
+ * NaN for the escape symbol, whose raw value the caller fills in).
  */
 #ifndef LANE_RANS_H
 #define LANE_RANS_H
@@ -28,6 +31,11 @@
 #define RANS_SLOT_MASK 0xFFFFu
 #define RANS_BUCKET_SHIFT 8
 #define RANS_BUCKETS 256
+
+#ifndef RANS_OUT_T
+#define RANS_OUT_T int32_t
+#define RANS_STORE(s, a) ((void)(a), (int32_t)(s))
+#endif
 
 /* Errors, as the decoder returns them. */
 #define RANS_OK 0
@@ -59,13 +67,13 @@ RANS_FN uint32_t rans_decode_symbol(uint32_t *x, const uint32_t *cm, const uint1
 }
 
 /* Decode one lane: its n_comps components, component c with model comp_model[c], written
- * as int32 symbol indices to out[out_off[c] + i], i < rows. w holds the lane's nw words.
- * cum: every model's cumulative table, model m's at cum + cum_off[m] (alphabet + 1 entries);
- * bucket: RANS_BUCKETS entries per model. */
+ * (RANS_STORE) to out[out_off[c] + i], i < rows. w holds the lane's nw words. cum: every
+ * model's cumulative table, model m's at cum + cum_off[m] (alphabet[m] + 1 entries); bucket:
+ * RANS_BUCKETS entries per model. */
 RANS_FN int rans_decode_lane(const uint16_t *w, uint32_t nw, const uint32_t *comp_model,
                              const int64_t *out_off, uint32_t n_comps, uint32_t rows,
                              const uint32_t *cum, const uint32_t *cum_off, const uint16_t *bucket,
-                             int32_t *out)
+                             const uint32_t *alphabet, RANS_OUT_T *out)
 {
     if (nw < 2)
         return RANS_E_WORDS;
@@ -76,11 +84,13 @@ RANS_FN int rans_decode_lane(const uint16_t *w, uint32_t nw, const uint32_t *com
         uint32_t m = comp_model[c];
         const uint32_t *cm = cum + cum_off[m];
         const uint16_t *bk = bucket + (uint64_t)m * RANS_BUCKETS;
-        int32_t *o = out + out_off[c];
+        uint32_t a = alphabet[m];
+        RANS_OUT_T *o = out + out_off[c];
         for (uint32_t i = 0; i < rows; i++) {
-            o[i] = (int32_t)rans_decode_symbol(&x, cm, bk, w, &p, nw, &err);
+            uint32_t s = rans_decode_symbol(&x, cm, bk, w, &p, nw, &err);
             if (err)
                 return err;
+            o[i] = RANS_STORE(s, a);
         }
     }
     if (x != RANS_L || p != nw)

@@ -206,7 +206,7 @@ def decode_lanes(words: np.ndarray, word_start: np.ndarray, lanes: Lanes, models
     bad = np.zeros(1, np.int64)
     err = lib.lane_rans_decode(ctypes.c_uint32(len(lanes)), _ptr(words), _ptr(word_start), _ptr(lanes.comp_start),
                                _ptr(lanes.rows), _ptr(lanes.comp_model), _ptr(lanes.out_off), _ptr(models.cum),
-                               _ptr(models.cum_off), _ptr(models.bucket), _ptr(out), _ptr(bad))
+                               _ptr(models.cum_off), _ptr(models.bucket), _ptr(models.alphabet), _ptr(out), _ptr(bad))
     return err, int(bad[0])
 
 
@@ -360,14 +360,24 @@ def encode_block(symbols: np.ndarray, models: RansModels) -> bytes:
                      words.astype("<u2").tobytes()])
 
 
-def decode_block(data: bytes | memoryview, rows: int, models: RansModels) -> tuple[np.ndarray, np.ndarray]:
-    """Substream bytes -> (symbols [C, rows] int32 signed, coded mask [C])."""
+@dataclass
+class Block:
+    """One parsed substream: what decoding it needs, its words not yet decoded."""
+
+    coded: np.ndarray  # bool [C]
+    escaped: np.ndarray  # int32: raw values of the escapes, in decode order
+    lanes: Lanes
+    word_start: np.ndarray  # int64 [lanes + 1], into words
+    words: np.ndarray  # uint16
+
+
+def parse_block(data: bytes | memoryview, rows: int, n_comp: int) -> Block:
+    """Validate a substream's tables against its size; raises CodecError naming what is off."""
     data = memoryview(data).cast("B")
-    c = len(models)
-    nbitmap = (c + 7) // 8
+    nbitmap = (n_comp + 7) // 8
     if len(data) < nbitmap + 4:
         raise CodecError(f"substream of {len(data)} bytes is shorter than its bitmap and escape count")
-    coded = np.unpackbits(np.frombuffer(data[:nbitmap], np.uint8), count=c, bitorder="little").astype(bool)
+    coded = np.unpackbits(np.frombuffer(data[:nbitmap], np.uint8), count=n_comp, bitorder="little").astype(bool)
     (n_esc,) = struct.unpack_from("<I", data, nbitmap)
     pos = nbitmap + 4
     if n_esc * 4 + 8 > len(data) - pos:
@@ -390,17 +400,23 @@ def decode_block(data: bytes | memoryview, rows: int, models: RansModels) -> tup
         raise CodecError(f"substream's lanes hold {2 * int(word_start[-1])} bytes of words, "
                          f"{len(data) - pos} follow")
     words = np.frombuffer(data[pos:], "<u2")
-    if not words.flags.aligned:
-        words = words.copy()
+    return Block(coded, escaped, block_lanes(coded_idx, rows, per_lane), word_start, words)
+
+
+def decode_block(data: bytes | memoryview, rows: int, models: RansModels) -> tuple[np.ndarray, np.ndarray]:
+    """Substream bytes -> (symbols [C, rows] int32 signed, coded mask [C])."""
+    c = len(models)
+    b = parse_block(data, rows, c)
     symbols = np.empty((c, rows), dtype=np.int32)
-    if not coded.all():
-        symbols[~coded] = 0
-    if n_lanes:
-        err, lane = decode_lanes(words, word_start, block_lanes(coded_idx, rows, per_lane), models, symbols)
+    if not b.coded.all():
+        symbols[~b.coded] = 0
+    if len(b.lanes):
+        words = b.words if b.words.flags.aligned else b.words.copy()
+        err, lane = decode_lanes(words, b.word_start, b.lanes, models, symbols)
         if err:
             raise CodecError(f"substream lane {lane}: {ERRORS.get(err, err)} (damaged or mismatched profile)")
-    finish(symbols, coded, models.half, escaped)
-    return symbols, coded
+    finish(symbols, b.coded, models.half, b.escaped)
+    return symbols, b.coded
 
 
 def finish(symbols: np.ndarray, coded: np.ndarray, half: np.ndarray, escaped: np.ndarray) -> None:

@@ -1,0 +1,427 @@
+"""GPU decode of lane-rANS chunks (the levels' bitstreams, transform RANS).
+
+The entropy decode runs one CUDA thread per lane: the kernel is lane_rans.h -- the very
+source the CPU library is built from -- compiled by NVRTC through CuPy, in a variant whose
+store writes the dequantizer's input (the signed value as float32, NaN for an escape) so that
+decode and dequantize are one pass. Escapes are then filled in order, and the inverse
+transforms run as batched tensor ops on the device: the PCA rotation (the step folded into
+the basis, as on the CPU), RoPE re-rotation of the keys, the exact sink rows, and one
+converting write into the destination tensor.
+
+BatchDecoder(profile, device="cpu") runs the same batching with the C library standing in
+for the kernel, so everything here but the kernel launch is exercised on machines without a
+GPU (tests/test_gpu.py); the kernel itself is checked on a GPU by scripts/gpu_check.sh.
+
+Chunks without the RANS transform (constriction-coded, CacheGen's paper configuration) are
+decoded by the CPU codec and copied in.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import bitstream as bs, cachegen, rans, rope
+from .errors import CodecError
+from .profile import Profile
+
+THREADS = 128  # per block; a lane per thread
+
+_PRELUDE = r"""
+typedef unsigned int uint32_t;
+typedef int int32_t;
+typedef unsigned short uint16_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+#define RANS_FN __device__ __forceinline__
+"""
+# Decode fused with the dequantizer's first step: symbol index -> signed value, escape -> NaN.
+_FLOAT_STORE = r"""
+#define RANS_OUT_T float
+#define RANS_STORE(s, a) ((s) + 1u == (a) ? __int_as_float(0x7fc00000) \
+                                          : (float)((int32_t)(s) - (int32_t)(((a) - 2u) >> 1)))
+"""
+_KERNEL = r"""
+extern "C" __global__ void lane_rans_decode(uint32_t n_lanes, const uint16_t *words,
+    const int64_t *word_start, const uint32_t *comp_start, const uint32_t *rows,
+    const uint32_t *comp_model, const int64_t *out_off, const uint32_t *cum,
+    const uint32_t *cum_off, const uint16_t *bucket, const uint32_t *alphabet,
+    RANS_OUT_T *out, int32_t *status)
+{
+    uint32_t l = blockIdx.x * blockDim.x + threadIdx.x;
+    if (l >= n_lanes)
+        return;
+    int64_t w0 = word_start[l], w1 = word_start[l + 1];
+    uint32_t c0 = comp_start[l];
+    status[l] = (w1 < w0 || w1 - w0 > 0xFFFFFFFFll)
+        ? RANS_E_WORDS
+        : rans_decode_lane(words + w0, (uint32_t)(w1 - w0), comp_model + c0, out_off + c0,
+                           comp_start[l + 1] - c0, rows[l], cum, cum_off, bucket, alphabet, out);
+}
+"""
+
+
+def kernel_source(float_out: bool) -> str:
+    """The CUDA source of the decode kernel: float_out fuses the dequantizer's first step."""
+    return _PRELUDE + (_FLOAT_STORE if float_out else "") + rans.SOURCES[0].read_text() + _KERNEL
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") where a CUDA device and CuPy are both there, else (False, why not)."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import cupy  # noqa: F401
+    except ImportError as e:
+        return False, f"CuPy is not installed ({e})"
+    return True, ""
+
+
+_kernels: dict = {}
+_kernels_lock = threading.Lock()
+
+
+def _kernel(device: torch.device, float_out: bool):
+    key = (device.index, float_out)
+    with _kernels_lock:
+        if key not in _kernels:
+            import cupy
+
+            with cupy.cuda.Device(device.index or 0):
+                module = cupy.RawModule(code=kernel_source(float_out))
+                _kernels[key] = module.get_function("lane_rans_decode")
+        return _kernels[key]
+
+
+def _as_signed(a: np.ndarray) -> torch.Tensor:
+    """torch has no uint32/uint16 arithmetic to speak of; the kernel reads the same bits."""
+    kind = {np.dtype(np.uint32): np.int32, np.dtype(np.uint16): np.int16}.get(a.dtype)
+    return torch.from_numpy(np.ascontiguousarray(a).view(kind) if kind else np.ascontiguousarray(a))
+
+
+# -- the models of one step table, all streams back to back -------------------------------------
+
+@dataclass
+class _Tables:
+    """Every (layer, K/V) stream's rANS models for one step table: model s * C + c is
+    component c of stream s = 2 * layer + k_or_v."""
+
+    models: rans.RansModels
+    half: torch.Tensor  # float32 [2L, C, 1] on the device
+    device: dict = field(default_factory=dict)  # name -> tensor on the device
+    bases: torch.Tensor | None = None  # [L, 2, nb, b, b] step-scaled PCA bases on the device
+    mean: torch.Tensor | None = None  # [L, 2, 1, C] PCA means on the device
+
+
+def _build_tables(profile: Profile, steps: np.ndarray, device: torch.device, pca: bool) -> _Tables:
+    per = [profile.rans_models(layer, kv, float(steps[layer, kv]))
+           for layer in range(profile.layers) for kv in range(2)]
+    sizes = np.array([m.cum.size for m in per], np.int64)
+    base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    models = rans.RansModels(
+        half=np.concatenate([m.half for m in per]),
+        alphabet=np.concatenate([m.alphabet for m in per]),
+        cum=np.concatenate([m.cum for m in per]),
+        cum_off=np.concatenate([m.cum_off.astype(np.int64) + b for m, b in zip(per, base)]).astype(np.uint32),
+        bucket=np.concatenate([m.bucket for m in per]))
+    C = len(per[0])
+    t = _Tables(models, torch.from_numpy(models.half.astype(np.float32)).view(2 * profile.layers, C, 1).to(device))
+    if device.type == "cuda":
+        for name in ("cum", "cum_off", "bucket", "alphabet"):
+            t.device[name] = _as_signed(getattr(models, name)).to(device)
+    if pca:
+        table = cachegen._scaled_bases_table(profile, steps)
+        if table is None:  # over the CPU cache's budget: build this one unshared
+            nb, b, _ = profile.basis(0, 0).shape
+            from . import pca as pca_mod
+            table = torch.stack([m.T for layer in range(profile.layers) for kv in range(2)
+                                 for m in pca_mod.scaled_inverse(profile.component_steps(layer, kv, float(steps[layer, kv])),
+                                                                 profile.basis(layer, kv))]).view(profile.layers, 2, nb, b, b)
+        t.bases = table.to(device)
+        t.mean = torch.from_numpy(profile.tensors["pca_mean"]).to(torch.float32).view(profile.layers, 2, 1, C).to(device)
+    return t
+
+
+# -- a batch -------------------------------------------------------------------------------------
+
+@dataclass
+class _Chunk:
+    header: bs.Header
+    sym_base: int  # where its [2L, C, n] symbols start in the batch's flat buffer
+    group: int  # index into Prepared.groups, or -1: decoded by the CPU codec
+    coded: np.ndarray | None = None  # bool [2L, C]
+    data: bytes | memoryview | None = None  # kept for the CPU fallback
+
+
+@dataclass
+class _Group:
+    tables: _Tables
+    lanes: rans.Lanes
+    word_start: np.ndarray  # int64 [lanes + 1], into Prepared.words
+    lane_where: np.ndarray  # int64 [lanes, 2]: (chunk, stream) of each lane, for error messages
+    words: np.ndarray  # uint16: its lanes' words, back to back
+    device: dict = field(default_factory=dict)  # the lane arrays on the device
+
+
+@dataclass
+class Prepared:
+    """A batch parsed on the host and uploaded: what run() needs."""
+
+    chunks: list[_Chunk]
+    groups: list[_Group]
+    escaped: torch.Tensor  # float32: every escape's raw value, in the flat buffer's order
+    n_sym: int
+    tokens: int
+    dtype: torch.dtype
+
+
+class BatchDecoder:
+    """Decodes the chunks of one context on `device` ("cuda", "cuda:N" or "cpu")."""
+
+    def __init__(self, profile: Profile, device: str | torch.device = "cuda"):
+        self.profile = profile
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            ok, why = available()
+            if not ok:
+                raise RuntimeError(f"GPU decode unavailable: {why}")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        self._tables: dict[tuple[bytes, bool], _Tables] = {}
+        self._rope: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- host side --------------------------------------------------------------------------
+    def _tables_for(self, h: bs.Header) -> _Tables:
+        pca = bool(h.transforms & bs.PCA)
+        key = (np.ascontiguousarray(h.steps, np.float32).tobytes(), pca)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = _build_tables(self.profile, h.steps, self.device, pca)
+        return t
+
+    def prepare(self, chunks: list[bytes | memoryview]) -> Prepared:
+        """Parse and validate the chunks (CRC, tables) on the host and upload their words."""
+        p = self.profile
+        C = p.heads * p.head_dim
+        out_chunks: list[_Chunk] = []
+        groups: dict[int, dict] = {}
+        esc_parts: list[np.ndarray] = []
+        n_sym = 0
+        tokens = 0
+        dtype = None
+        for i, data in enumerate(chunks):
+            h, _ = cachegen.read(data, p)
+            dtype = dtype or h.dtype
+            if h.dtype != dtype:
+                raise CodecError(f"chunk {i} is {h.dtype}, the batch {dtype}: one context has one dtype")
+            tokens += h.tokens
+            n = h.tokens - h.sink_tokens
+            if not h.transforms & bs.RANS:
+                out_chunks.append(_Chunk(h, n_sym, -1, data=data))
+                continue
+            t = self._tables_for(h)
+            # One group per step table (a fetch mixes levels); each with its own words, so that
+            # its lanes lie back to back: lane l reads words[ws[l]:ws[l + 1]].
+            g = groups.setdefault(id(t), {"tables": t, "index": len(groups), "lanes": [], "starts": [],
+                                          "words": [], "n_words": 0, "where": []})
+            coded = np.zeros((2 * p.layers, C), bool)
+            for s in range(2 * p.layers):
+                try:
+                    b = rans.parse_block(h.substreams[s], n, C)
+                except CodecError as e:
+                    raise CodecError(f"chunk {i} stream {s}: {e}") from None
+                coded[s] = b.coded
+                ln = b.lanes
+                g["lanes"].append(rans.Lanes(ln.comp_start, ln.rows, ln.comp_model + np.uint32(s * C),
+                                             ln.out_off + (n_sym + s * C * n)))
+                g["starts"].append(b.word_start[:-1] + g["n_words"])
+                g["where"].append(np.tile(np.array([i, s], np.int64), (len(ln), 1)))
+                g["words"].append(b.words)
+                g["n_words"] += b.words.size
+                esc_parts.append(b.escaped)
+            out_chunks.append(_Chunk(h, n_sym, g["index"], coded=coded))
+            n_sym += 2 * p.layers * C * n
+        built = [self._group(g) for g in sorted(groups.values(), key=lambda g: g["index"])]
+        escaped = np.concatenate(esc_parts).astype(np.float32) if esc_parts else np.zeros(0, np.float32)
+        return Prepared(out_chunks, built, torch.from_numpy(escaped).to(self.device), n_sym, tokens,
+                        dtype or torch.float16)
+
+    def _group(self, g: dict) -> _Group:
+        ws = np.append(np.concatenate(g["starts"]), g["n_words"]).astype(np.int64)
+        words = np.concatenate(g["words"])
+        grp = _Group(g["tables"], _concat_lanes(g["lanes"]), ws, np.concatenate(g["where"]), words)
+        if self.device.type == "cuda":
+            for name in ("comp_start", "rows", "comp_model", "out_off"):
+                grp.device[name] = _as_signed(getattr(grp.lanes, name)).to(self.device, non_blocking=True)
+            grp.device["word_start"] = torch.from_numpy(ws).to(self.device, non_blocking=True)
+            host = torch.from_numpy(words.view(np.int16))
+            pinned = torch.empty(host.shape, dtype=torch.int16, pin_memory=True)
+            pinned.copy_(host)
+            grp.device["words"] = pinned.to(self.device, non_blocking=True)
+        return grp
+
+    # -- device side ------------------------------------------------------------------------
+    def _entropy_decode(self, prep: Prepared, float_out: bool) -> torch.Tensor:
+        """The flat symbol buffer: float32 values (NaN at escapes) or int32 indices."""
+        dtype = torch.float32 if float_out else torch.int32
+        flat = torch.zeros(prep.n_sym, dtype=dtype, device=self.device)
+        for gi, g in enumerate(prep.groups):
+            n = len(g.lanes)
+            if n == 0:
+                continue
+            if self.device.type == "cuda":
+                status = self._launch(g, flat, float_out)
+                bad = torch.nonzero(status).flatten()
+                if bad.numel():
+                    lane = int(bad[0])
+                    err = int(status[lane])
+                else:
+                    err = rans.OK
+            else:
+                out = flat.numpy() if not float_out else np.zeros(prep.n_sym, np.int32)
+                err, lane = rans.decode_lanes(g.words, g.word_start, g.lanes, g.tables.models, out)
+                if float_out and not err:
+                    self._to_values(prep, gi, torch.from_numpy(out), flat)
+            if err:
+                chunk, stream = (int(v) for v in g.lane_where[lane])
+                raise CodecError(f"chunk {chunk} stream {stream}: {rans.ERRORS.get(err, err)} "
+                                 "(damaged or mismatched profile)")
+        return flat
+
+    def _launch(self, g: _Group, out: torch.Tensor, float_out: bool) -> torch.Tensor:
+        import cupy
+
+        n = len(g.lanes)
+        status = torch.empty(n, dtype=torch.int32, device=self.device)
+        t = g.tables.device
+        kernel = _kernel(self.device, float_out)
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream):
+            args = [cupy.asarray(a) for a in (g.device["words"], g.device["word_start"], g.device["comp_start"], g.device["rows"],
+                                              g.device["comp_model"], g.device["out_off"], t["cum"], t["cum_off"],
+                                              t["bucket"], t["alphabet"], out, status)]
+            kernel(((n + THREADS - 1) // THREADS,), (THREADS,), (np.uint32(n), *args))
+        return status
+
+    def _to_values(self, prep: Prepared, gi: int, idx: torch.Tensor, flat: torch.Tensor) -> None:
+        """CPU stand-in for the kernel's float store: index - half, NaN at the escape."""
+        p = self.profile
+        C = p.heads * p.head_dim
+        for c in prep.chunks:
+            if c.group != gi:
+                continue
+            n = c.header.tokens - c.header.sink_tokens
+            sl = slice(c.sym_base, c.sym_base + 2 * p.layers * C * n)
+            ix = idx[sl].view(2 * p.layers, C, n)
+            half = prep.groups[gi].tables.half
+            vals = ix.to(torch.float32) - half
+            vals[ix == (2 * half + 1).to(torch.int32)] = float("nan")
+            vals[~torch.from_numpy(c.coded)] = 0.0
+            flat[sl].view(2 * p.layers, C, n).copy_(vals)
+
+    def symbols(self, prep: Prepared) -> list[torch.Tensor]:
+        """Per chunk, the entropy-decoded symbol indices [2L, C, n] (int32; 0 for components
+        not coded) as the device computed them: the figure to compare with cpu_symbols."""
+        p = self.profile
+        C = p.heads * p.head_dim
+        flat = self._entropy_decode(prep, float_out=False)
+        out = []
+        for c in prep.chunks:
+            n = c.header.tokens - c.header.sink_tokens
+            out.append(flat[c.sym_base:c.sym_base + 2 * p.layers * C * n].view(2 * p.layers, C, n)
+                       if c.group >= 0 else None)
+        return out
+
+    def run(self, prep: Prepared, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode a prepared batch into out [L, 2, tokens, H, D] (allocated on the device in the
+        chunks' dtype when not given); returns out."""
+        p = self.profile
+        L, H, D = p.layers, p.heads, p.head_dim
+        C = H * D
+        if out is None:
+            out = torch.empty((L, 2, prep.tokens, H, D), dtype=prep.dtype, device=self.device)
+        elif out.shape != (L, 2, prep.tokens, H, D):
+            raise ValueError(f"out is {tuple(out.shape)}, the batch decodes to {(L, 2, prep.tokens, H, D)}")
+        flat = self._entropy_decode(prep, float_out=True)
+        esc = torch.isnan(flat)
+        n_esc = int(esc.sum())  # the batch's one synchronisation
+        if n_esc != prep.escaped.numel():
+            raise CodecError(f"batch holds {prep.escaped.numel()} escaped values for {n_esc} escape symbols")
+        if n_esc:
+            flat[esc] = prep.escaped
+        t0 = 0
+        for c in prep.chunks:
+            h = c.header
+            dst = out[:, :, t0:t0 + h.tokens]
+            t0 += h.tokens
+            if c.group < 0:
+                dst.copy_(cachegen.decode(c.data, p), non_blocking=True)
+                continue
+            n = h.tokens - h.sink_tokens
+            sym = flat[c.sym_base:c.sym_base + 2 * L * C * n].view(L, 2, C, n)
+            tables = prep.groups[c.group].tables
+            if h.transforms & bs.PCA:
+                nb, b = tables.bases.shape[2], tables.bases.shape[3]
+                y = sym.view(L, 2, nb, b, n).transpose(-1, -2)  # [L, 2, nb, n, b] components
+                x = torch.matmul(y, tables.bases.transpose(-1, -2))  # the CPU's addmm, batched
+                x = x.permute(0, 1, 3, 2, 4).reshape(L, 2, n, C) + tables.mean
+            else:
+                steps = torch.from_numpy(h.steps).to(self.device).view(L, 2, 1, 1)
+                x = sym.transpose(-1, -2) * steps
+            x = x.view(L, 2, n, H, D)
+            if h.transforms & bs.UNROTATE_KEYS:
+                cos, sin = self._rerotation(h.start + h.sink_tokens, n)
+                keys = x[:, 0]
+                half = D // 2
+                swapped = torch.cat([keys[..., half:], keys[..., :half]], dim=-1)
+                x = torch.stack([keys * cos + swapped * sin, x[:, 1]], dim=1)
+            dst[:, :, h.sink_tokens:].copy_(x)
+            if h.sink_tokens:
+                raw = torch.frombuffer(bytearray(h.sink), dtype=h.dtype).view(L, 2, h.sink_tokens, H, D)
+                dst[:, :, :h.sink_tokens].copy_(raw)
+        return out
+
+    def _rerotation(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (start, n)
+        if key not in self._rope:
+            if len(self._rope) > 256:
+                self._rope.clear()
+            cos, sin = rope._rerotation(start, n, self.profile.heads, self.profile.head_dim,
+                                        float(self.profile.rope_theta))
+            self._rope[key] = (cos.to(self.device), sin.to(self.device))
+        return self._rope[key]
+
+    def decode(self, chunks: list[bytes | memoryview], out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run(self.prepare(chunks), out)
+
+
+def _concat_lanes(parts: list[rans.Lanes]) -> rans.Lanes:
+    if not parts:
+        return rans.Lanes(np.zeros(1, np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.int64))
+    comp_start, base = [np.zeros(1, np.uint32)], 0
+    for ln in parts:
+        comp_start.append((ln.comp_start[1:].astype(np.int64) + base).astype(np.uint32))
+        base += len(ln.comp_model)
+    return rans.Lanes(np.concatenate(comp_start), np.concatenate([ln.rows for ln in parts]),
+                      np.concatenate([ln.comp_model for ln in parts]), np.concatenate([ln.out_off for ln in parts]))
+
+
+def cpu_symbols(chunk: bytes | memoryview, profile: Profile) -> torch.Tensor:
+    """The entropy-decoded symbol indices [2L, C, n] of one chunk from the CPU library (0 for
+    components not coded): what BatchDecoder.symbols must reproduce bit for bit."""
+    h, profile = cachegen.read(chunk, profile)
+    if not h.transforms & bs.RANS:
+        raise CodecError("chunk is not lane-rANS coded")
+    C = profile.heads * profile.head_dim
+    n = h.tokens - h.sink_tokens
+    out = np.zeros((2 * profile.layers, C, n), np.int32)
+    for s in range(2 * profile.layers):
+        layer, kv = divmod(s, 2)
+        b = rans.parse_block(h.substreams[s], n, C)
+        words = b.words if b.words.flags.aligned else b.words.copy()
+        err, lane = rans.decode_lanes(words, b.word_start, b.lanes,
+                                      profile.rans_models(layer, kv, float(h.steps[layer, kv])), out[s])
+        if err:
+            raise CodecError(f"stream {s} lane {lane}: {rans.ERRORS.get(err, err)}")
+    return torch.from_numpy(out)
