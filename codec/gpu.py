@@ -425,3 +425,79 @@ def cpu_symbols(chunk: bytes | memoryview, profile: Profile) -> torch.Tensor:
         if err:
             raise CodecError(f"stream {s} lane {lane}: {rans.ERRORS.get(err, err)}")
     return torch.from_numpy(out)
+
+
+# -- the pipeline's GPU stages ---------------------------------------------------------------------
+
+@dataclass
+class Staged:
+    """A chunk on its way through StreamStages."""
+
+    prep: Prepared
+    ready: object = None  # torch.cuda.Event recorded when the stage that made it finished
+    kv: torch.Tensor | None = None  # [L, 2, T, H, D] on the device, once decoded
+
+
+class StreamStages:
+    """Receive, decode and fill as three CUDA streams with events between them, so that the
+    upload of chunk i+1, the decode of chunk i and the copy of chunk i-1 overlap on the
+    device; each call returns once its work is queued (decode() waits for its one check).
+
+    receive(): host parse into pinned memory, upload on the receive stream; decode(): waits
+    for that upload's event, decodes on the decode stream; fill(): waits for the decode's
+    event, copies into the destination (e.g. a CUDA IPC buffer the model process maps) on the
+    fill stream and returns an event the caller can poll. On device "cpu" the same calls run
+    in order with no streams, so callers need not tell the two apart.
+    """
+
+    def __init__(self, profile: Profile, device: str | torch.device = "cuda"):
+        self.decoder = BatchDecoder(profile, device)
+        self.device = self.decoder.device
+        cuda = self.device.type == "cuda"
+        self.streams = {name: torch.cuda.Stream(self.device) for name in ("receive", "decode", "fill")} if cuda else {}
+
+    def _on(self, name: str):
+        import contextlib
+        return torch.cuda.stream(self.streams[name]) if self.streams else contextlib.nullcontext()
+
+    def _event(self, name: str):
+        if not self.streams:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.streams[name])
+        return ev
+
+    def receive(self, payload: bytes | memoryview) -> Staged:
+        with self._on("receive"):
+            prep = self.decoder.prepare([payload])
+        return Staged(prep, self._event("receive"))
+
+    def decode(self, staged: Staged) -> Staged:
+        with self._on("decode"):
+            if self.streams:
+                self.streams["decode"].wait_event(staged.ready)
+                _record_prepared(staged.prep, self.streams["decode"])
+            staged.kv = self.decoder.run(staged.prep)
+        staged.ready = self._event("decode")
+        return staged
+
+    def fill(self, staged: Staged, dst: torch.Tensor):
+        """Queue dst.copy_(staged.kv); returns an event (None on CPU, where it is done)."""
+        with self._on("fill"):
+            if self.streams:
+                self.streams["fill"].wait_event(staged.ready)
+                staged.kv.record_stream(self.streams["fill"])  # freed only once the copy ran
+            dst.copy_(staged.kv, non_blocking=True)
+        done = self._event("fill")
+        staged.kv = None
+        staged.prep = None
+        return done
+
+
+def _record_prepared(prep: Prepared, stream) -> None:
+    """The caching allocator must not reuse a batch's uploads before the decode stream has
+    read them: they were allocated on the receive stream."""
+    prep.escaped.record_stream(stream)
+    for g in prep.groups:
+        for t in g.device.values():
+            t.record_stream(stream)

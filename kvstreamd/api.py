@@ -9,7 +9,7 @@
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer
     POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype}; KV is read
                                      from the shared-memory segment `buffer` the client made
-    POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?,
+    POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?, device?,
                                      recompute_tokens_per_s?} -> NDJSON events:
                                      start (the buffer to attach), chunk (one per chunk as it
                                      lands: kv or text), end (totals and per-stage timings)
@@ -230,6 +230,9 @@ async def fetch(request: web.Request) -> web.StreamResponse:
     recompute_tps = _field(body, "recompute_tokens_per_s", (int, float), None)
     if recompute_tps is not None and not recompute_tps > 0:
         raise ApiError(400, "bad_request", "recompute_tokens_per_s must be > 0")
+    device = _field(body, "device", str, "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ApiError(400, "bad_request", f'device must be "cpu" or "cuda", not {device!r}')
     if d.stopping:
         raise ApiError(503, "stopping", "the daemon is shutting down")
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -238,7 +241,7 @@ async def fetch(request: web.Request) -> web.StreamResponse:
     async def emit(event: dict) -> None:
         await resp.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
 
-    await d.fetch(model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps)
+    await d.fetch(model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps, device)
     await resp.write_eof()
     return resp
 

@@ -76,7 +76,11 @@ class _FetchState:
         kind = ev.get("event")
         if kind == "start":
             self.start = ev
-            if ev["buffer"]:
+            if ev["buffer"] and ev.get("cuda_ipc"):  # decoded on the daemon's GPU: map its memory
+                from .cuda_ipc import CudaAttached
+                self._att = CudaAttached.open(ev["cuda_ipc"], tuple(ev["shape"]), ev["dtype"],
+                                              torch.device(ev["device"]).index or 0)
+            elif ev["buffer"]:
                 self._att = Attached.open(ev["buffer"], tuple(ev["shape"]), ev["dtype"])
             return None
         if kind == "end":
@@ -91,8 +95,15 @@ class _FetchState:
 
     @property
     def kv(self) -> torch.Tensor | None:
-        """[L, 2, found_tokens, H, D], zero-copy over the daemon's shared memory; None when nothing was found."""
+        """[L, 2, found_tokens, H, D], zero-copy over the daemon's shared memory (or, for a
+        fetch with device="cuda" from a daemon with a GPU, its device memory: see `device`);
+        None when nothing was found."""
         return self._att.tensor if self._att is not None else None
+
+    @property
+    def device(self) -> str:
+        """Where kv lives: "cpu", or the daemon's GPU ("cuda:0") when it decoded there."""
+        return self.start.get("device", "cpu") if self.start else "cpu"
 
     @property
     def found_tokens(self) -> int:
@@ -229,13 +240,16 @@ class Client:
 
     def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
               dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
-              recompute_tokens_per_s: float | None = None) -> Fetch:
+              recompute_tokens_per_s: float | None = None,
+              device: str = "cpu") -> Fetch:
         """Start a fetch; returns once the daemon has planned it (`found_tokens`, the buffer).
         Iterate it for the chunk events; use it as a context manager to release the buffer.
         `levels`: accept only these (one level alone: every chunk at exactly that level).
-        `recompute_tokens_per_s`: how fast this model prefills, so senders can price TEXT chunks."""
+        `recompute_tokens_per_s`: how fast this model prefills, so senders can price TEXT chunks.
+        `device="cuda"`: decode on the daemon's GPU into device memory mapped here by CUDA IPC;
+        a daemon without one says why in `start["gpu_unavailable"]` and uses shared memory."""
         conn, resp = self._request("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
-                                                                 recompute_tokens_per_s))
+                                                                 recompute_tokens_per_s, device))
         if resp.status >= 400:
             raw = resp.read()
             conn.close()
@@ -268,9 +282,11 @@ def _share_with_daemon(name: str) -> None:
         pass
 
 
-def _fetch_body(model_id, tokens, deadline_ms, dtype, levels=None, recompute_tps=None) -> dict:
+def _fetch_body(model_id, tokens, deadline_ms, dtype, levels=None, recompute_tps=None, device="cpu") -> dict:
     body = {"model_id": model_id, "tokens": list(map(int, tokens)),
             "dtype": DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype) else dtype}
+    if device != "cpu":
+        body["device"] = device
     if deadline_ms is not None:
         body["deadline_ms"] = int(deadline_ms)
     if levels is not None:
@@ -374,9 +390,10 @@ class AsyncClient:
 
     async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
                     dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
-                    recompute_tokens_per_s: float | None = None) -> AsyncFetch:
+                    recompute_tokens_per_s: float | None = None,
+                    device: str = "cpu") -> AsyncFetch:
         resp = await self._send("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
-                                                                 recompute_tokens_per_s))
+                                                                 recompute_tokens_per_s, device))
         if resp.status >= 400:
             raw = await resp.read()
             resp.release()

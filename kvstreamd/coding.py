@@ -16,9 +16,11 @@ from codec.profile import Profile
 
 log = logging.getLogger("kvstreamd.coding")
 
-# One core decodes ~75-90 MB/s of fp16 at the entropy-coded levels (docs/benchmarks.md); a
+# One core decodes ~140-160 MB/s of fp16 at the entropy-coded levels (docs/benchmarks.md); a
 # prior for the first FETCH, replaced by what this host measures.
-PRIOR_MBPS_PER_WORKER = 75.0
+PRIOR_MBPS_PER_WORKER = 140.0
+# A GPU decodes tens of GB/s (scripts/gpu_check.sh); per chunk, launch and upload costs bound it.
+PRIOR_GPU_MBPS = 2000.0
 
 
 class Coder:
@@ -33,6 +35,8 @@ class Coder:
         self._lock = threading.Lock()
         self._mbps = PRIOR_MBPS_PER_WORKER * workers * 0.8  # processes share more than cores
         self._samples = 0
+        self._gpu_mbps = PRIOR_GPU_MBPS
+        self._gpu_samples = 0
 
     def profile_for(self, model_id: str) -> Profile:
         """The configured profile if it is for model_id, else the shipped one; CodecError if none."""
@@ -44,6 +48,24 @@ class Coder:
     def decode_mbps(self) -> float:
         """MB/s of fp16 KV this host decodes at the entropy-coded levels (moving average)."""
         return self._mbps
+
+    def rate(self, gpu: bool = False) -> float:
+        """decode_mbps, or the GPU's when a fetch decodes there."""
+        return self._gpu_mbps if gpu else self._mbps
+
+    def observe(self, mb: float, seconds: float, gpu: bool = False) -> None:
+        """One decode's size and time, into the moving average senders are told."""
+        if seconds <= 0 or mb <= 1:
+            return
+        with self._lock:
+            if gpu:
+                self._gpu_samples += 1
+                alpha = 0.5 if self._gpu_samples < 4 else 0.2
+                self._gpu_mbps = (1 - alpha) * self._gpu_mbps + alpha * (mb / seconds)
+            else:
+                self._samples += 1
+                alpha = 0.5 if self._samples < 4 else 0.2
+                self._mbps = (1 - alpha) * self._mbps + alpha * (mb / seconds)
 
     def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int) -> bytes:
         """Blocking: one chunk at one level (named codec level or baseline scheme)."""
@@ -60,13 +82,7 @@ class Coder:
         import time
         t0 = time.perf_counter()
         kv = self.pool.decode(payload)
-        dt = time.perf_counter() - t0
-        mb = kv.numel() * 2 / 1e6
-        if dt > 0 and mb > 1:
-            with self._lock:
-                self._samples += 1
-                alpha = 0.5 if self._samples < 4 else 0.2
-                self._mbps = (1 - alpha) * self._mbps + alpha * (mb / dt)
+        self.observe(kv.numel() * 2 / 1e6, time.perf_counter() - t0)
         return kv
 
     def close(self) -> None:

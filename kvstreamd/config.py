@@ -132,6 +132,15 @@ def _choice(*choices: str) -> Parser:
     return parse
 
 
+def _device(value, where, ctx) -> str:
+    if not isinstance(value, str):
+        raise _wrong_type(value, where, "a string")
+    v = value.strip().lower()
+    if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+        return v
+    raise ConfigError(f'{where}: {_show(value)} is not "auto", "cpu", "cuda" or "cuda:N"')
+
+
 def _string(value, where, ctx) -> str:
     if not isinstance(value, str):
         raise _wrong_type(value, where, "a string")
@@ -386,6 +395,7 @@ class CodecConfig:
     levels: tuple[str, ...] = _key(("high", "balanced", "fast"), parse=_levels, reload=True)
     profile: Path | None = _key(None, parse=_path)
     workers: int = _key(0, parse=_int(0))
+    device: str = _key("auto", parse=_device)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from . import __version__, sdnotify
 from . import config as config_mod
 from .api import make_app
 from .coding import Coder
+from .cuda_ipc import CudaBuffer
 from .config import Config, ConfigError
 from .directory import Directory
 from .metrics import Metrics, set_level, setup_logging
@@ -37,6 +38,23 @@ log = logging.getLogger("kvstreamd.daemon")
 
 class StartupError(Exception):
     """The daemon cannot start (socket in use, store not writable, ...); the message says why."""
+
+
+def resolve_device(setting: str) -> tuple[torch.device | None, str]:
+    """[codec] device -> the GPU that fetches asking for device "cuda" decode on, or None and
+    why not. "auto" falls back to the CPU quietly; "cuda" that cannot be had is a start error."""
+    if setting == "cpu":
+        return None, '[codec] device = "cpu"'
+    from codec import gpu
+    ok, why = gpu.available()
+    if ok and setting.startswith("cuda:") and int(setting[5:]) >= torch.cuda.device_count():
+        ok, why = False, f"there are {torch.cuda.device_count()} CUDA devices"
+    if not ok:
+        if setting == "auto":
+            return None, why
+        raise StartupError(f'[codec] device = "{setting}": {why}')
+    dev = torch.device(setting if setting != "auto" else "cuda")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device()), ""
 
 
 @dataclass
@@ -53,6 +71,9 @@ class Daemon:
         self.directory = Directory()
         self.store: Store | None = None
         self.coder: Coder | None = None
+        self.gpu: torch.device | None = None  # where fetches that ask for device "cuda" decode
+        self.gpu_why = ""  # why not, when gpu is None
+        self._stages: dict[bytes, object] = {}  # codec.gpu.StreamStages per profile id
         self.peers: PeerManager | None = None
         self.stopping = False
         self.started = time.time()
@@ -67,6 +88,7 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
+        self.gpu, self.gpu_why = resolve_device(cfg.codec.device)
         swept = sweep_stale()
         if swept:
             log.info("removed %d shared-memory segments left by dead processes", len(swept))
@@ -83,6 +105,8 @@ class Daemon:
             log.warning("store: skipped corrupt file %s: %s", path, why)
             self.metrics.error("store_corrupt")
         self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, cfg.codec.levels)
+        log.info("fetched chunks decode on %s", f"{self.gpu} (CUDA streams, IPC hand-off)" if self.gpu
+                 else f"the CPU ({self.gpu_why})")
         secret = cfg.secret()
         if secret is None:
             log.warning("no [peer] secret configured: using a random one, so no peer can join this node")
@@ -223,34 +247,45 @@ class Daemon:
 
     async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int, dtype: str, prof,
                     emit: Callable[[dict], Awaitable[None]], levels: list[str] | None = None,
-                    recompute_tps: float | None = None) -> None:
+                    recompute_tps: float | None = None, device: str = "cpu") -> None:
         task = asyncio.current_task()
         self._active.add(task)
         try:
             async with self._fetch_slots:
-                await self._fetch(model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps)
+                await self._fetch(model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps, device)
         finally:
             self._active.discard(task)
 
-    async def _fetch(self, model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps) -> None:
+    async def _fetch(self, model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps, device) -> None:
         self.metrics.fetches_active.inc()
         t0 = time.monotonic()
         p = plan(self.store, self.directory, model_id, tokens, self.cfg.codec.chunk_tokens)
         shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
-        seg = allocate(shape, dtype) if p.found else None
+        on_gpu = device == "cuda" and self.gpu is not None
+        place = {"device": str(self.gpu) if on_gpu else "cpu"}
+        if on_gpu:
+            seg = await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index) if p.found else None
+            if seg is not None:
+                place["cuda_ipc"] = seg.handle()
+        else:
+            seg = allocate(shape, dtype) if p.found else None
+            if device == "cuda":  # asked for, not there: the CPU path, and the reason
+                place["gpu_unavailable"] = self.gpu_why
         buffer = seg.tensor(shape, dtype) if seg else None
         if seg is not None:
             self.buffers[seg.name] = _Buffer(seg, time.monotonic() + self.cfg.api.buffer_lease_s)
         ok = False
         try:
             await emit({"event": "start", "buffer": seg.name if seg else None, "shape": list(shape), "dtype": dtype,
-                        "prompt_tokens": len(tokens), "found_tokens": p.found_tokens,
+                        **place, "prompt_tokens": len(tokens), "found_tokens": p.found_tokens,
                         "chunk_tokens": self.cfg.codec.chunk_tokens,
                         "local_tokens": p.bounds[p.local - 1][1] if p.local else 0,
                         "lease_s": self.cfg.api.buffer_lease_s})
             job = FetchJob(p, model_id, tokens, deadline_ms, buffer, self.store, self.peers, self.coder, self.metrics,
                            list(levels or self.cfg.codec.levels))
             job.recompute_tps = recompute_tps or self.cfg.stream.recompute_tokens_per_s
+            if on_gpu and p.found:
+                job.stages = await asyncio.to_thread(self._stages_for, prof)
             try:
                 res = await job.run(emit)
             except asyncio.CancelledError:
@@ -291,6 +326,14 @@ class Daemon:
         m.prompt_tokens.labels("text").inc(text_tokens)
         m.prompt_tokens.labels("prefill").inc(len(tokens) - p.found_tokens)
         m.lookups.labels("hit" if p.found >= len(p.keys) - 1 and p.found else "partial" if p.found else "miss").inc()
+
+    def _stages_for(self, prof):
+        """The GPU pipeline's streams and decoder tables for a profile, built once."""
+        from codec.gpu import StreamStages
+        st = self._stages.get(prof.id)
+        if st is None:
+            st = self._stages[prof.id] = StreamStages(prof, self.gpu)
+        return st
 
     # -- buffers -----------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 import torch
 
+from codec import levels as codec_levels
 from codec.errors import CodecError
 from transport import aio
 from transport.policy import TEXT
@@ -109,6 +110,9 @@ class FetchJob:
         self.levels = levels
         self.result = FetchResult()
         self.recompute_tps: float | None = None  # the model process's prefill rate, when it said
+        # codec.gpu.StreamStages when the buffer is on a GPU: chunks of the entropy-coded levels
+        # then upload, decode and fill on three CUDA streams; others decode on the CPU workers.
+        self.stages = None
         self._t0 = 0.0
 
     def _remaining_ms(self) -> int:
@@ -158,7 +162,7 @@ class FetchJob:
                 break
             t = time.perf_counter()
             stream = conn.fetch(p.keys[i:end], max(self._remaining_ms(), 1), self.levels + [TEXT],
-                                decode_mbps=self.coder.decode_mbps, recompute_tps=self.recompute_tps)
+                                decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps)
             nbytes, base = 0, i
             try:
                 async for msg in stream:
@@ -199,7 +203,10 @@ class FetchJob:
             if item.kind == "kv":
                 t = time.perf_counter()
                 try:
-                    item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
+                    if self.stages is not None and item.level in codec_levels.LEVELS:
+                        item.kv = await asyncio.to_thread(self._decode_on_device, item.payload)
+                    else:
+                        item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
                     self._check_shape(item)
                 except CodecError as e:
                     why = f"chunk {item.i} from {item.source} does not decode ({e}); recompute it"
@@ -213,11 +220,18 @@ class FetchJob:
         self.result.stage_s["decode"] = busy
         await out.put(None)
 
+    def _decode_on_device(self, payload: bytes) -> object:
+        t0 = time.perf_counter()
+        staged = self.stages.decode(self.stages.receive(payload))
+        self.coder.observe(staged.kv.numel() * 2 / 1e6, time.perf_counter() - t0, gpu=True)
+        return staged
+
     def _check_shape(self, item: _Item) -> None:
         s, e = self.plan.bounds[item.i]
         want = (self.buffer.shape[0], 2, e - s, *self.buffer.shape[3:])
-        if tuple(item.kv.shape) != want:
-            raise CodecError(f"decoded shape {tuple(item.kv.shape)} is not the chunk's {want}")
+        shape = tuple((item.kv.kv if hasattr(item.kv, "prep") else item.kv).shape)
+        if shape != want:
+            raise CodecError(f"decoded shape {shape} is not the chunk's {want}")
 
     # -- stage 3: fill -----------------------------------------------------------------------
 
@@ -227,7 +241,12 @@ class FetchJob:
             s, e = self.plan.bounds[item.i]
             if item.kind == "kv":
                 t = time.perf_counter()
-                await asyncio.to_thread(self.buffer[:, :, s:e].copy_, item.kv)
+                if hasattr(item.kv, "prep"):  # decoded on the device: copy on the fill stream
+                    done = self.stages.fill(item.kv, self.buffer[:, :, s:e])
+                    if done is not None:
+                        await asyncio.to_thread(done.synchronize)
+                else:
+                    await asyncio.to_thread(self.buffer[:, :, s:e].copy_, item.kv)
                 busy += time.perf_counter() - t
                 item.kv = None
             self.result.levels.append(item.level)

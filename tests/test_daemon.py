@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import codec
-from codec import profile as profiles
+from codec import gpu, profile as profiles
 from kvstreamd import corpus, models
 from kvstreamd.client import AsyncClient, ClientError, _UnixHTTPConnection
 from kvstreamd.cluster import Node, wait_for
@@ -373,3 +373,44 @@ def test_a_killed_daemon_leaves_no_worker_processes(cluster):
     a.kill()
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"orphaned after SIGKILL: {[p.cmdline()[-1][:60] for p in alive]}"
+
+
+def test_a_fetch_asking_for_the_gpu_says_why_not_and_uses_shared_memory(cluster, context):
+    if gpu.available()[0]:
+        pytest.skip("this host has a GPU: test_a_fetch_on_the_gpu_hands_over_device_memory runs instead")
+    model_id, tokens, kv = context
+    (a,) = cluster(["a"])
+    a.client().put(model_id, tokens, kv)
+    with a.client().fetch(model_id, tokens, device="cuda") as f:
+        assert f.device == "cpu" and "CUDA" in f.start["gpu_unavailable"]
+        f.wait()
+        check_fetched(f, kv, model_id)
+
+
+@pytest.mark.skipif(not gpu.available()[0], reason=f"needs an NVIDIA GPU with CuPy: {gpu.available()[1]}")
+def test_a_fetch_on_the_gpu_hands_over_device_memory(cluster, context):
+    """device="cuda": decoded on the daemon's GPU (three CUDA streams), handed over by CUDA IPC."""
+    model_id, tokens, kv = context
+    (a,) = cluster(["a"])
+    a.client().put(model_id, tokens, kv)
+    with a.client().fetch(model_id, tokens, device="cuda") as f:
+        assert f.device.startswith("cuda") and "cuda_ipc" in f.start
+        f.wait()
+        assert f.kv.is_cuda
+        for ev in f.events:
+            want = expected_chunk(kv, ev.i, ev.level, model_id)
+            got = f.kv[:, :, ev.start:ev.end].cpu()
+            assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+            del got
+
+
+def test_a_gpu_that_is_not_there_stops_start_up_when_asked_for_by_name(tmp_path):
+    if gpu.available()[0]:
+        pytest.skip("this host has a GPU")
+    cfg = tmp_path / "gpu.toml"
+    cfg.write_text(f'[codec]\ndevice = "cuda"\n[api]\nsocket = "{tmp_path}/api.sock"\n'
+                   f'[store]\ndir = "{tmp_path}/store"\n[peer]\nlisten = "127.0.0.1:0"\n')
+    out = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "run", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "cannot start: [codec] device = " in out.stderr and "no CUDA device" in out.stderr

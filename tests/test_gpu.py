@@ -185,3 +185,60 @@ def test_gpu_decode_rejects_a_damaged_stream(context, small_profile):
     chunks, _ = context
     with pytest.raises(codec.CodecError, match="chunk 0"):
         gpu.BatchDecoder(small_profile, "cuda").decode([_damaged(chunks[0])] + chunks[1:])
+
+
+# -- the pipeline's GPU stages ----------------------------------------------------------------
+
+def test_stream_stages_fill_a_buffer_chunk_by_chunk(context, small_profile):
+    chunks, ref = context
+    stages = gpu.StreamStages(small_profile, "cpu")
+    out = torch.zeros_like(ref)
+    t0 = 0
+    for c in chunks:
+        staged = stages.decode(stages.receive(c))
+        n = staged.kv.shape[2]
+        assert stages.fill(staged, out[:, :, t0:t0 + n]) is None  # on the CPU: done on return
+        t0 += n
+    assert t0 == ref.shape[2]
+    assert torch.allclose(out.float(), ref.float(), rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
+async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profile):
+    """The daemon's fetch pipeline with StreamStages in its decode and fill stages (what a
+    fetch with device "cuda" gets on a GPU host), here on the CPU: same chunks, same events."""
+    from kvstreamd.coding import Coder
+    from kvstreamd.directory import Directory
+    from kvstreamd.metrics import Metrics
+    from kvstreamd.pipeline import FetchJob, plan
+    from kvstreamd.store import ChunkRecord, Store, chunk_keys
+
+    p = small_profile
+    kv = synthetic_kv(80, seed=9).to(torch.float16)
+    tokens = list(range(1000, 1080))
+    keys = chunk_keys(p.model_id, tokens, 32)
+    store = Store(None, 1 << 30, 0)
+    store.open()
+    for i, key in enumerate(keys):
+        s, e = 32 * i, min(32 * i + 32, 80)
+        part = kv[:, :, s:e].contiguous()
+        store.put(ChunkRecord(key, keys[i - 1] if i else None, i, s, p.model_id, tuple(tokens[s:e]), "float16",
+                              tuple(part.shape), {"high": codec.encode(part, "high", p, start=s)}))
+    fetch_plan = plan(store, Directory(), p.model_id, tokens, 32)
+    assert fetch_plan.found == 3 and fetch_plan.local == 3
+    buffer = torch.zeros_like(kv)
+    coder = Coder(1)
+    try:
+        job = FetchJob(fetch_plan, p.model_id, tokens, 10_000, buffer, store, None, coder, Metrics(), ["high"])
+        job.stages = gpu.StreamStages(p, "cpu")
+        events = []
+
+        async def emit(ev):
+            events.append(ev)
+        res = await job.run(emit)
+    finally:
+        coder.close()
+    assert res.levels == ["high"] * 3 and not res.errors
+    assert [e["kind"] for e in events] == ["kv"] * 3
+    ref = torch.cat([codec.decode(store.get(k).levels["high"], p) for k in keys], dim=2)
+    assert torch.allclose(buffer.float(), ref.float(), rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+    assert coder.rate(gpu=True) != coder.rate()  # the device's own rate, for the senders
