@@ -7,6 +7,10 @@ independent substreams, the exact sink rows, the substreams, and a CRC32 trailer
     | u32 crc32(everything before)
 
 All integers little-endian. Substream s holds layer s // 2, K (s even) or V (s odd).
+Transform bits say how the chunk was made: keys un-rotated, PCA, anchor/delta, exact sink
+rows, and which entropy coder wrote the substreams -- RANS: lane rANS (codec/rans.py, what the
+levels use), else constriction's ANS (codec/entropy.py; chunks stored before lane rANS, and
+CacheGen's paper configuration). A decoder that meets a bit it does not know refuses the chunk.
 """
 from __future__ import annotations
 
