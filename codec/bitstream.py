@@ -74,8 +74,9 @@ def pack(h: Header) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def unpack(data: bytes | bytearray | memoryview) -> Header:
-    """Parse and validate a chunk bitstream; raises CodecError naming what is wrong."""
+def unpack(data: bytes | bytearray | memoryview, check_crc: bool = True) -> Header:
+    """Parse and validate a chunk bitstream; raises CodecError naming what is wrong.
+    check_crc=False only where this very buffer was checked already (the pool's workers)."""
     data = memoryview(data).cast("B")
     if len(data) < 4 or bytes(data[:4]) != MAGIC:
         raise CodecError("not a kvstreamd chunk bitstream (bad magic)")
@@ -86,7 +87,7 @@ def unpack(data: bytes | bytearray | memoryview) -> Header:
     if version != VERSION:
         raise CodecError(f"bitstream format version {version} is not supported (this codec reads {VERSION})")
     (crc,) = struct.unpack_from("<I", data, len(data) - 4)
-    if zlib.crc32(data[:-4]) != crc:
+    if check_crc and zlib.crc32(data[:-4]) != crc:
         raise CodecError("bitstream checksum mismatch: the data is damaged or truncated")
     if transforms & ~KNOWN_TRANSFORMS:
         raise CodecError(f"bitstream uses unknown transforms 0x{transforms:x}")

@@ -177,9 +177,9 @@ def warm(profile: Profile, level: str | levels.Level) -> None:
                 profile.models("pca", layer, k_or_v, step)
 
 
-def read(data: bytes | memoryview, profile: Profile | None = None) -> tuple[bs.Header, Profile]:
+def read(data: bytes | memoryview, profile: Profile | None = None, check_crc: bool = True) -> tuple[bs.Header, Profile]:
     """Validate a bitstream and find its profile (the one given, or the registry's)."""
-    h = bs.unpack(data)
+    h = bs.unpack(data, check_crc)
     if profile is None or profile.id != h.profile_id:
         profile = profiles.find(h.profile_id)
     profile.check_shape(h.layers, h.heads, h.head_dim)

@@ -1,14 +1,18 @@
 """Encode and decode a chunk's independent substreams across worker processes.
 
-constriction holds the GIL for a whole call, so threads do not help; processes do. Tensors
-and bitstreams cross to the workers through one shared-memory segment per call, so only
-names and indices travel over the pool's pipes.
+The substreams' Python and torch work holds the GIL for much of a call (and constriction all
+of it), so threads do not help; processes do. Tensors and bitstreams cross to the workers
+through one shared-memory segment per chunk, so only names and indices travel over the pool's
+pipes, and a decoded chunk is returned as a view of its segment rather than copied out.
 """
 from __future__ import annotations
 
+import _posixshmem  # CPython's shm_open/shm_unlink, as kvstreamd/shm.py uses them
 import concurrent.futures as cf
+import mmap
 import multiprocessing as mp
 import os
+import secrets
 import threading
 import time
 from multiprocessing import shared_memory
@@ -47,17 +51,43 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     return shared_memory.SharedMemory(name=name)
 
 
-def _decode_part(name: str, out_bytes: int, data_len: int, streams: list[int]) -> None:
-    shm = _attach(name)
+# Decode output travels in segments of its own, named as kvstreamd.shm names them (so the
+# daemon's start-up sweep removes any a killed process left) and unlinked as soon as the
+# workers are done: the tensor decode_many returns is a view of the parent's mapping, which
+# lives exactly as long as the tensor does. No copy out, and nothing to clean up later.
+_SEG_PREFIX = "kvstreamd"
+
+
+def _segment(size: int, name: str | None = None) -> tuple[str, mmap.mmap]:
+    """Create (name None) or open a shared-memory segment; returns its name and a mapping."""
+    create = name is None
+    if create:
+        name = f"{_SEG_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}"
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
-        h, profile = cachegen.read(shm.buf[out_bytes:out_bytes + data_len])
-        out = torch.frombuffer(shm.buf, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
+        if create:
+            os.ftruncate(fd, size)
+        return name, mmap.mmap(fd, size)
+    except BaseException:
+        if create:
+            _posixshmem.shm_unlink("/" + name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _decode_part(name: str, out_bytes: int, data_len: int, streams: list[int]) -> None:
+    _, mm = _segment(out_bytes + data_len, name)
+    try:
+        # decode_many checked the CRC of these bytes before it wrote them here
+        h, profile = cachegen.read(memoryview(mm)[out_bytes:out_bytes + data_len], check_crc=False)
+        out = torch.frombuffer(mm, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
         for s in streams:
             layer, k_or_v = divmod(s, 2)
             cachegen.decode_stream_into(h, s, profile, out[layer, k_or_v, h.sink_tokens:])
         del out, h
     finally:
-        shm.close()
+        mm.close()
 
 
 def _encode_part(name: str, shape: tuple, dtype_code: int, level: str, profile_id: bytes, start: int,
@@ -101,27 +131,24 @@ class CodecPool:
         try:
             for data, h in zip(chunks, headers):
                 out_bytes = int(np.prod(h.shape)) * h.dtype.itemsize
-                shm = shared_memory.SharedMemory(create=True, size=out_bytes + len(data))
-                segments.append((shm, out_bytes))
-                shm.buf[out_bytes:out_bytes + len(data)] = data
-                futures.append([self._pool.submit(_decode_part, shm.name, out_bytes, len(data), part)
+                name, mm = _segment(out_bytes + len(data))
+                segments.append((name, mm, out_bytes))
+                mm[out_bytes:out_bytes + len(data)] = data
+                futures.append([self._pool.submit(_decode_part, name, out_bytes, len(data), part)
                                 for part in self._split(2 * h.layers)])
             results = []
-            for (shm, out_bytes), h, parts in zip(segments, headers, futures):
+            for (name, mm, out_bytes), h, parts in zip(segments, headers, futures):
                 for f in parts:
                     f.result()
-                view = torch.frombuffer(shm.buf, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
-                out = view.clone()
-                del view  # no tensor may outlive the mapping (reading it after close segfaults)
+                out = torch.frombuffer(mm, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
                 cachegen.fill_sink(h, out)
                 results.append(out)
             return results
         finally:
             for parts in futures:  # a failed chunk: let the others finish before unmapping
                 cf.wait(parts)
-            for shm, _ in segments:
-                shm.close()
-                shm.unlink()
+            for name, _, _ in segments:
+                _posixshmem.shm_unlink("/" + name)  # the mappings stay valid, held by the tensors
 
     def encode(self, kv: torch.Tensor, level: str = "balanced", profile: Profile | None = None, start: int = 0) -> bytes:
         lv = levels.get(level)
