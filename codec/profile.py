@@ -128,7 +128,9 @@ class Profile:
     # -- files --------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         meta = {"profile": json.dumps(self.meta, sort_keys=True)}
-        return safetensors.numpy.save(dict(sorted(self.tensors.items())), metadata=meta)
+        # contiguous: safetensors writes an array's memory as it lies, so a strided one would load transposed
+        tensors = {k: np.ascontiguousarray(v) for k, v in sorted(self.tensors.items())}
+        return safetensors.numpy.save(tensors, metadata=meta)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import codec
-from codec import baselines, bitstream as bs, levels, rope
+from codec import baselines, bitstream as bs, levels, profile as profiles, rope
 from codec.parallel import CodecPool
 from tests.conftest import SMALL, synthetic_kv
 
@@ -157,6 +157,15 @@ def test_damaged_payload_with_valid_checksum_never_decodes_silently_wrong(chunk,
             continue
         assert out.shape == original.shape  # decoded: shapes hold, no crash
     assert raised > 50
+
+
+def test_profile_with_strided_tensors_saves_what_it_holds(small_profile, tmp_path):
+    # safetensors writes memory as it lies: a Fortran-ordered array once came back transposed
+    tensors = {k: np.asfortranarray(v) if v.ndim == 2 else v for k, v in small_profile.tensors.items()}
+    assert any(not v.flags.c_contiguous for v in tensors.values())
+    again = profiles.Profile.load(profiles.Profile(dict(small_profile.meta), tensors).save(tmp_path / "p.kvprofile"))
+    for k, v in small_profile.tensors.items():
+        assert np.array_equal(again.tensors[k], v), k
 
 
 def test_profile_file_that_is_not_a_profile_is_rejected(tmp_path):
