@@ -13,7 +13,6 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-import constriction
 import numpy as np
 import torch
 
@@ -73,6 +72,8 @@ def component_probs(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray,
 def build_models(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray, cdf: np.ndarray) -> ComponentModels:
     """constriction's distributions for components with standard deviations sigma[C]
     quantized with step[C] (see component_probs)."""
+    import constriction  # here, not at import: hosts that only see lane-rANS chunks need not have it
+
     halves, dists = component_probs(sigma, step, grid, cdf)
     cats, pairs = [], []
     for probs in dists:
@@ -116,6 +117,8 @@ def encode_blocks(blocks: list[tuple[np.ndarray, ComponentModels]]) -> bytes:
 
     indexed = [_escapes(col, int(models.half[c])) for col, models, c in columns]
     escaped = np.concatenate([e for _, e in indexed]).astype("<i4") if indexed else np.zeros(0, "<i4")
+    import constriction
+
     coder = constriction.stream.stack.AnsCoder()
     # ANS is a stack: encode the last component first, and within a component its odd last
     # token before its pairs, so that decoding runs forwards.
@@ -151,6 +154,8 @@ def decode_blocks(data: bytes | memoryview, blocks: list[tuple[int, ComponentMod
     if (len(data) - pos) % 4:
         raise CodecError("substream's ANS payload is not a whole number of 32-bit words")
     words = np.frombuffer(data[pos:], "<u4").astype(np.uint32)
+    import constriction
+
     try:
         coder = constriction.stream.stack.AnsCoder(words)
     except ValueError as e:
