@@ -73,6 +73,20 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from .bench import gpu as bench
+
+    report = bench.run(layers=args.layers, heads=args.heads, head_dim=args.head_dim, tokens=args.tokens,
+                       chunk_tokens=args.chunk_tokens, level=args.level, device=args.device, reps=args.reps,
+                       json_path=args.json, fit_tokens=args.fit_tokens, workers=args.workers,
+                       progress=not args.quiet)
+    print()
+    print(bench.summary(report))
+    if args.json:
+        print(f"\nJSON written to {args.json}")
+    return 0
+
+
 def _profile_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -242,6 +256,21 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", default="bench-out/e2e.png")
     be.add_argument("--quiet", action="store_true", help="no progress bars")
     be.set_defaults(func=_bench_e2e)
+
+    bg = bsub.add_parser("gpu", help="GPU decode throughput and exactness on a synthetic 7B-sized context")
+    bg.add_argument("--layers", type=int, default=32)
+    bg.add_argument("--heads", type=int, default=8, help="KV heads")
+    bg.add_argument("--head-dim", type=int, default=128)
+    bg.add_argument("--tokens", type=int, default=8192)
+    bg.add_argument("--chunk-tokens", type=int, default=256)
+    bg.add_argument("--level", default="high", choices=["high", "balanced", "fast"])
+    bg.add_argument("--device", default=None, help="cuda or cpu (default: cuda where codec.gpu can use it)")
+    bg.add_argument("--reps", type=int, default=10, help="timed decodes (the median is reported)")
+    bg.add_argument("--fit-tokens", type=int, default=None, help="calibration tokens (default: 2 x heads x head dim)")
+    bg.add_argument("--workers", type=int, default=None, help="encoding processes (default: all cores)")
+    bg.add_argument("--json", default="bench-out/gpu.json")
+    bg.add_argument("--quiet", action="store_true", help="no progress bars")
+    bg.set_defaults(func=_bench_gpu)
 
     demo = sub.add_parser("demo", help="two hosts, the real model: store a document on one, answer on the other")
     demo.add_argument("--bandwidth", default="100mbit")
