@@ -20,6 +20,8 @@ from typing import Awaitable, Callable
 import torch
 from aiohttp import web
 
+from codec.parallel import SEG_PREFIX as CODEC_SEG_PREFIX
+
 from . import __version__, sdnotify
 from . import config as config_mod
 from .api import make_app
@@ -89,7 +91,7 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.cfg
         self.gpu, self.gpu_why = resolve_device(cfg.codec.device)
-        swept = sweep_stale()
+        swept = sweep_stale() + sweep_stale(CODEC_SEG_PREFIX)  # fetch buffers; the codec pool's segments
         if swept:
             log.info("removed %d shared-memory segments left by dead processes", len(swept))
         self.store = Store(cfg.store.dir, cfg.store.memory_budget, cfg.store.disk_budget,

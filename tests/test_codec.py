@@ -209,3 +209,27 @@ def test_baselines_round_trip_and_reject_damage(name, tokens):
     assert (out.float() - kv.float()).abs().max() <= tol
     with pytest.raises(codec.CodecError):
         scheme.decode(data[:-3])
+
+
+def test_pool_reuses_its_segments_and_a_result_outlives_the_pool(small_profile):
+    """decode_many's results are views of the pool's segments: a segment is reused only once
+    every view of the result it held is gone, and closing the pool unlinks them all while
+    results still read correctly."""
+    from codec import parallel
+    kv = synthetic_kv(64, 21).to(torch.float16)
+    data = codec.encode(kv, "high", small_profile, start=0)
+    want = codec.decode(data)
+    ours = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(f"{parallel.SEG_PREFIX}-{os.getpid()}-")}  # noqa: E731
+    with CodecPool(1, profile_paths=(small_profile.path,)) as pool:
+        first = pool.decode(data)
+        view = first[:, :, 3:7]
+        del first
+        second = pool.decode(data)  # `view` keeps the first segment: a second one is made
+        assert len(ours()) == 2 and torch.equal(view, want[:, :, 3:7]) and torch.equal(second, want)
+        del view, second
+        import gc
+        gc.collect()
+        third = pool.decode(data)
+        assert len(ours()) == 2 and torch.equal(third, want)  # reused, not a third segment
+    assert not ours()  # closed: unlinked, while `third` is still mapped and whole
+    assert torch.equal(third, want)
