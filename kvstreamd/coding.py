@@ -1,6 +1,6 @@
 """The daemon's codec side: a process pool that encodes a chunk at every stored level and
-decodes whatever level a chunk arrives at, off the event loop (constriction holds the GIL),
-plus this host's measured decode rate, which it tells senders in each FETCH."""
+decodes whatever level a chunk arrives at, off the event loop (coding holds the GIL for much
+of each call), plus this host's measured decode rate, which it tells senders in each FETCH."""
 from __future__ import annotations
 
 import logging
