@@ -80,6 +80,7 @@ class _Item:
     error: str | None = None
     kv: torch.Tensor | None = None
     nbytes: int = 0  # wire bytes of the chunk (payload, or 4 per token for TEXT)
+    staged: object = None  # codec.gpu.Staged: parsed and uploaded on the receive stream
 
 
 @dataclass
@@ -148,8 +149,9 @@ class FetchJob:
                 await out.put(_Item(i, "text", TEXT, "fallback", error="evicted locally"))
                 continue
             self.metrics.chunks.labels(level, "local").inc()
-            await out.put(_Item(i, "kv", level, "local", rec.levels[level], time.monotonic(),
-                                nbytes=len(rec.levels[level])))
+            item = _Item(i, "kv", level, "local", rec.levels[level], time.monotonic(), nbytes=len(rec.levels[level]))
+            await self._upload(item)
+            await out.put(item)
         i = p.local
         failed: set[str] = set()
         while i < p.found:
@@ -174,6 +176,7 @@ class FetchJob:
                     else:
                         self.metrics.chunks.labels(TEXT, "received").inc()
                         item = _Item(j, "text", TEXT, peer, arrived=time.monotonic(), nbytes=4 * len(msg.tokens))
+                    await self._upload(item)
                     busy += time.perf_counter() - t
                     await out.put(item)
                     t = time.perf_counter()
@@ -195,6 +198,17 @@ class FetchJob:
         self.result.stage_s["receive"] = busy
         await out.put(None)
 
+    async def _upload(self, item: _Item) -> None:
+        """On a GPU: parse the chunk into pinned memory and start its upload on the receive
+        stream as it arrives, so that it overlaps the decode of the chunk before it. A chunk
+        that does not parse is left for the decode stage, which turns it into TEXT."""
+        if self.stages is None or item.kind != "kv" or item.level not in codec_levels.LEVELS:
+            return
+        try:
+            item.staged = await asyncio.to_thread(self.stages.receive, item.payload)
+        except CodecError:
+            item.staged = None
+
     # -- stage 2: decode ---------------------------------------------------------------------
 
     async def _decode(self, inp: asyncio.Queue, out: asyncio.Queue) -> None:
@@ -204,7 +218,7 @@ class FetchJob:
                 t = time.perf_counter()
                 try:
                     if self.stages is not None and item.level in codec_levels.LEVELS:
-                        item.kv = await asyncio.to_thread(self._decode_on_device, item.payload)
+                        item.kv = await asyncio.to_thread(self._decode_on_device, item)
                     else:
                         item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
                     self._check_shape(item)
@@ -220,9 +234,10 @@ class FetchJob:
         self.result.stage_s["decode"] = busy
         await out.put(None)
 
-    def _decode_on_device(self, payload: bytes) -> object:
+    def _decode_on_device(self, item: _Item) -> object:
         t0 = time.perf_counter()
-        staged = self.stages.decode(self.stages.receive(payload))
+        staged = self.stages.decode(item.staged or self.stages.receive(item.payload))
+        item.staged = None
         self.coder.observe(staged.kv.numel() * 2 / 1e6, time.perf_counter() - t0, gpu=True)
         return staged
 

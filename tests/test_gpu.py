@@ -207,8 +207,9 @@ def test_stream_stages_fill_a_buffer_chunk_by_chunk(context, small_profile):
 
 
 async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profile):
-    """The daemon's fetch pipeline with StreamStages in its decode and fill stages (what a
-    fetch with device "cuda" gets on a GPU host), here on the CPU: same chunks, same events."""
+    """The daemon's fetch pipeline with StreamStages in its receive, decode and fill stages
+    (what a fetch with device "cuda" gets on a GPU host), here on the CPU: same chunks, same
+    events, and a chunk that does not decode becomes TEXT."""
     from kvstreamd.coding import Coder
     from kvstreamd.directory import Directory
     from kvstreamd.metrics import Metrics
@@ -224,8 +225,9 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     for i, key in enumerate(keys):
         s, e = 32 * i, min(32 * i + 32, 80)
         part = kv[:, :, s:e].contiguous()
+        data = codec.encode(part, "high", p, start=s)
         store.put(ChunkRecord(key, keys[i - 1] if i else None, i, s, p.model_id, tuple(tokens[s:e]), "float16",
-                              tuple(part.shape), {"high": codec.encode(part, "high", p, start=s)}))
+                              tuple(part.shape), {"high": _damaged(data) if i == 1 else data}))
     fetch_plan = plan(store, Directory(), p.model_id, tokens, 32)
     assert fetch_plan.found == 3 and fetch_plan.local == 3
     buffer = torch.zeros_like(kv)
@@ -240,8 +242,11 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
         res = await job.run(emit)
     finally:
         coder.close()
-    assert res.levels == ["high"] * 3 and not res.errors
-    assert [e["kind"] for e in events] == ["kv"] * 3
-    ref = torch.cat([codec.decode(store.get(k).levels["high"], p) for k in keys], dim=2)
-    assert torch.allclose(buffer.float(), ref.float(), rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+    # chunk 1's stream is damaged (its CRC made whole again): it becomes TEXT, the others land
+    assert res.levels == ["high", "text", "high"] and "chunk 1" in res.errors[0]
+    assert [e["kind"] for e in events] == ["kv", "text", "kv"]
+    for i in (0, 2):
+        s, e = 32 * i, min(32 * i + 32, 80)
+        ref = codec.decode(store.get(keys[i]).levels["high"], p)
+        assert torch.allclose(buffer[:, :, s:e].float(), ref.float(), rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
     assert coder.rate(gpu=True) != coder.rate()  # the device's own rate, for the senders
