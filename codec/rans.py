@@ -387,7 +387,8 @@ def parse_block(data: bytes | memoryview, rows: int, n_comp: int) -> Block:
     per_lane, n_lanes = struct.unpack_from("<II", data, pos)
     pos += 8
     coded_idx = np.flatnonzero(coded)
-    if per_lane != comps_per_lane(rows) or n_lanes != -(-coded_idx.size // per_lane):
+    # Any lane size decodes (the encoder's choice, comps_per_lane, may be retuned); the count must fit it.
+    if per_lane < 1 or n_lanes != -(-coded_idx.size // per_lane):
         raise CodecError(f"substream has {n_lanes} lanes of {per_lane} components for {coded_idx.size} "
                          f"coded components of {rows} rows")
     if 4 * n_lanes > len(data) - pos:

@@ -3,6 +3,7 @@ header) against the NumPy lane-vectorised reference, on random models and lanes.
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 
@@ -123,8 +124,13 @@ def test_block_rejects_inconsistent_tables():
     models = _models(rng, 10)
     sym = rng.laplace(0, 2, (50, 10)).round().astype(np.int32)
     data = bytearray(rans.encode_block(sym, models))
-    with pytest.raises(CodecError, match="rows"):
-        rans.decode_block(bytes(data), 51, models)  # lanes planned for other rows
+    with pytest.raises(CodecError, match="lane"):
+        rans.decode_block(bytes(data), 51, models)  # coded for 50 rows: the lanes do not end right
+    bad = bytearray(data)
+    pos = (10 + 7) // 8 + 4 + 4 * struct.unpack_from("<I", data, 2)[0]  # bitmap, escapes: lane table
+    struct.pack_into("<I", bad, pos + 4, 99)  # lanes claimed
+    with pytest.raises(CodecError, match="lanes"):
+        rans.decode_block(bytes(bad), 50, models)
     with pytest.raises(CodecError, match="words"):
         rans.decode_block(bytes(data[:-2]), 50, models)
     with pytest.raises(CodecError):
@@ -149,3 +155,17 @@ def test_codec_works_without_a_compiler(tmp_path, small_profile):
     assert res.returncode == 0, res.stderr.decode()
     assert b"NumPy reference" in res.stderr
     assert res.stdout == codec.encode(synthetic_kv(21, seed=5).half(), "high", small_profile, start=3)
+
+
+def test_a_lane_size_chosen_by_another_encoder_still_decodes(monkeypatch):
+    """Lanes per substream are the encoder's choice, recorded in the stream: retuning
+    LANE_SYMBOLS must not strand chunks already stored."""
+    rng = np.random.default_rng(12)
+    models = _models(rng, 30)
+    sym = rng.laplace(0, 3, (40, 30)).round().astype(np.int32)
+    monkeypatch.setattr(rans, "LANE_SYMBOLS", 7)
+    small_lanes = rans.encode_block(sym, models)
+    monkeypatch.undo()
+    assert small_lanes != rans.encode_block(sym, models)
+    out, _ = rans.decode_block(small_lanes, 40, models)
+    assert np.array_equal(out, sym.T)
