@@ -84,13 +84,12 @@ RANS_FN int rans_decode_lane(const uint16_t *w, uint32_t nw, const uint32_t *com
         uint32_t m = comp_model[c];
         const uint32_t *cm = cum + cum_off[m];
         const uint16_t *bk = bucket + (uint64_t)m * RANS_BUCKETS;
-        uint32_t a = alphabet[m];
         RANS_OUT_T *o = out + out_off[c];
         for (uint32_t i = 0; i < rows; i++) {
             uint32_t s = rans_decode_symbol(&x, cm, bk, w, &p, nw, &err);
             if (err)
                 return err;
-            o[i] = RANS_STORE(s, a);
+            o[i] = RANS_STORE(s, alphabet[m]);  /* loop-invariant load: hoisted */
         }
     }
     if (x != RANS_L || p != nw)

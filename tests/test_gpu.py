@@ -156,6 +156,41 @@ def test_cuda_kernel_source_decodes_like_the_cpu_library_when_run_on_the_host(co
     assert status[-1] in (rans.E_WORDS, rans.E_END) and not status[:-1].any()
 
 
+def _nvrtc():
+    """libnvrtc from the nvidia-cuda-nvrtc-cu12 wheel (a test dependency on Linux x86-64)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    libs = sorted(Path(p) / "lib" for p in (spec.submodule_search_locations if spec else []))
+    found = [f for d in libs for f in sorted(d.glob("libnvrtc.so.*")) if "alt" not in f.name]
+    if not found:
+        pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12 is a test dependency on Linux x86-64 only)")
+    return ctypes.CDLL(str(found[0]))
+
+
+@pytest.mark.parametrize("float_out", [False, True])
+def test_cuda_kernel_source_compiles_with_nvrtc_for_hopper(float_out):
+    """The exact text codec/gpu.py hands CuPy's RawModule, compiled by NVRTC (which needs no GPU)
+    for sm_90 without a warning: the kernel a GPU host will build."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), gpu.kernel_source(float_out).encode(), b"lane_rans.cu",
+                                  0, None, None) == 0
+    opts = (ctypes.c_char_p * 1)(b"--gpu-architecture=compute_90")
+    rc = lib.nvrtcCompileProgram(prog, 1, opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    assert "warning" not in log.value.decode(), log.value.decode()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    assert ".visible .entry lane_rans_decode(" in ptx.value.decode()
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
 def test_gpu_unavailable_is_said_not_hidden():
     if GPU_OK:
         pytest.skip("this machine has a GPU: the GPU tests below run instead")
