@@ -59,16 +59,21 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     """The KV `[L, 2, n, H, D]` (the model's dtype) of the prompt's longest prefix the cluster
     holds, TEXT chunks recomputed here, and what it took; (None, reuse) when nothing was found."""
     reuse = Reuse(len(prompt))
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
     t0 = time.perf_counter()
-    with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=recompute_tokens_per_s) as f:
+    # A model on a GPU asks for the KV in device memory (the daemon decodes it on its GPU and
+    # hands it over by CUDA IPC, or says why not and uses shared memory).
+    with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=recompute_tokens_per_s,
+                      device="cuda" if device.type == "cuda" else "cpu") as f:
         for ev in f:
             reuse.events.append(ev)
             if on_chunk is not None:
                 on_chunk(ev)
         reuse.end = f.end
         reuse.found_tokens = f.found_tokens
-        kv = f.kv.to(dtype) if f.kv is not None else None  # a copy: the buffer is released on exit
+        # a copy, always (even in the same dtype and device): the buffer is released on exit
+        kv = f.kv.to(device=device, dtype=dtype, copy=True) if f.kv is not None else None
     reuse.fetch_s = time.perf_counter() - t0
     if kv is None:
         return None, reuse
@@ -78,7 +83,7 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
         if ev.kind != "text":
             continue
         cache = cache_from_kv(kv[:, :, :ev.start], dtype)
-        model(input_ids=torch.tensor([prompt[ev.start:ev.end]]), use_cache=True, logits_to_keep=1, **{name: cache})
+        model(input_ids=torch.tensor([prompt[ev.start:ev.end]], device=device), use_cache=True, logits_to_keep=1, **{name: cache})
         kv[:, :, ev.start:ev.end] = kv_from_cache(cache)[:, :, ev.start:ev.end]
         reuse.text_tokens += ev.end - ev.start
     reuse.recompute_s = time.perf_counter() - t1
@@ -122,7 +127,7 @@ def generate(model, prompt: list[int], client: Client | None, model_id: str, *, 
         kwargs[_cache_kwarg_generate(model)] = cache_from_kv(kv[:, :, :n], next(model.parameters()).dtype)
         reuse.cache_s = time.perf_counter() - t1
     streamer = _FirstToken()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+    out = model.generate(torch.tensor([prompt], device=next(model.parameters()).device), max_new_tokens=max_new_tokens, do_sample=False,
                          streamer=streamer, **kwargs)
     reuse.ttft_s = (streamer.at or time.perf_counter()) - t0
     if keep_kv:
