@@ -98,6 +98,27 @@ def _escapes(column: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
     return idx.astype(np.int32, copy=False), column[:0]
 
 
+def write_head(coded: np.ndarray, escaped: np.ndarray) -> bytes:
+    """The head of a substream, shared by both entropy coders: the bitmap of coded components,
+    u32 escape count, the escaped values (int32, in decode order)."""
+    return (np.packbits(coded, bitorder="little").tobytes() + struct.pack("<I", escaped.size)
+            + escaped.astype("<i4").tobytes())
+
+
+def read_head(data: memoryview, n_comp: int, rest: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """write_head's inverse: (coded [n_comp], escaped values, where the rest starts), checking
+    that at least `rest` bytes follow."""
+    nbitmap = (n_comp + 7) // 8
+    if len(data) < nbitmap + 4:
+        raise CodecError(f"substream of {len(data)} bytes is shorter than its bitmap and escape count")
+    coded = np.unpackbits(np.frombuffer(data[:nbitmap], np.uint8), count=n_comp, bitorder="little").astype(bool)
+    (n_esc,) = struct.unpack_from("<I", data, nbitmap)
+    pos = nbitmap + 4
+    if n_esc * 4 + rest > len(data) - pos:
+        raise CodecError(f"substream claims {n_esc} escaped symbols but holds {len(data) - pos} bytes")
+    return coded, np.frombuffer(data[pos:pos + 4 * n_esc], "<i4"), pos + 4 * n_esc
+
+
 def encode_blocks(blocks: list[tuple[np.ndarray, ComponentModels]]) -> bytes:
     """blocks: (symbols [N_b, C_b] int32, models for the C_b components). One substream.
 
@@ -113,7 +134,6 @@ def encode_blocks(blocks: list[tuple[np.ndarray, ComponentModels]]) -> bytes:
         flags.append(coded)
         for c in np.flatnonzero(coded):
             columns.append((np.ascontiguousarray(symbols[:, c]), models, c))
-    bitmap = np.packbits(np.concatenate(flags) if flags else np.zeros(0, bool), bitorder="little")
 
     indexed = [_escapes(col, int(models.half[c])) for col, models, c in columns]
     escaped = np.concatenate([e for _, e in indexed]).astype("<i4") if indexed else np.zeros(0, "<i4")
@@ -133,24 +153,14 @@ def encode_blocks(blocks: list[tuple[np.ndarray, ComponentModels]]) -> bytes:
         if n2:
             coder.encode_reverse(idx[0:2 * n2:2] * PAIR_MAX_ALPHABET + idx[1:2 * n2:2], pair)
     words = coder.get_compressed().astype("<u4")
-    return bitmap.tobytes() + struct.pack("<I", escaped.size) + escaped.tobytes() + words.tobytes()
+    return write_head(np.concatenate(flags) if flags else np.zeros(0, bool), escaped) + words.tobytes()
 
 
 def decode_blocks(data: bytes | memoryview, blocks: list[tuple[int, ComponentModels]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Inverse of encode_blocks. blocks: (rows N_b, models). Returns, per block, the symbols
     component-major [C_b, N_b] and the mask of components that were coded."""
     data = memoryview(data)
-    n_comp = sum(len(m) for _, m in blocks)
-    nbitmap = (n_comp + 7) // 8
-    if len(data) < nbitmap + 4:
-        raise CodecError(f"substream of {len(data)} bytes is shorter than its bitmap and escape count")
-    coded_all = np.unpackbits(np.frombuffer(data[:nbitmap], np.uint8), count=n_comp, bitorder="little").astype(bool)
-    (n_esc,) = struct.unpack_from("<I", data, nbitmap)
-    pos = nbitmap + 4
-    if n_esc * 4 > len(data) - pos:
-        raise CodecError(f"substream claims {n_esc} escaped symbols but holds {len(data) - pos} bytes")
-    escaped = np.frombuffer(data[pos:pos + 4 * n_esc], "<i4")
-    pos += 4 * n_esc
+    coded_all, escaped, pos = read_head(data, sum(len(m) for _, m in blocks))
     if (len(data) - pos) % 4:
         raise CodecError("substream's ANS payload is not a whole number of 32-bit words")
     words = np.frombuffer(data[pos:], "<u4").astype(np.uint32)

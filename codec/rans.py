@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import entropy
 from .errors import CodecError
 
 log = logging.getLogger("kvstreamd.codec")
@@ -344,7 +345,6 @@ def encode_block(symbols: np.ndarray, models: RansModels) -> bytes:
         raise CodecError(f"block has {c} components but {len(models)} models")
     cols = np.ascontiguousarray(symbols.T)  # [C, N], component-major like the decoder's output
     coded = np.any(cols != 0, axis=1) if n else np.zeros(c, bool)
-    bitmap = np.packbits(coded, bitorder="little")
     half = models.half[:, None]
     idx = cols + half
     out_of_range = (idx < 0) | (idx > 2 * half)
@@ -355,9 +355,8 @@ def encode_block(symbols: np.ndarray, models: RansModels) -> bytes:
     per_lane = comps_per_lane(n)
     lanes = block_lanes(np.flatnonzero(coded), n, per_lane)
     used, words = encode_lanes(idx, lanes, models)
-    return b"".join([bitmap.tobytes(), struct.pack("<I", escaped.size), escaped.tobytes(),
-                     struct.pack("<II", per_lane, len(lanes)), used.astype("<u4").tobytes(),
-                     words.astype("<u2").tobytes()])
+    return b"".join([entropy.write_head(coded, escaped), struct.pack("<II", per_lane, len(lanes)),
+                     used.astype("<u4").tobytes(), words.astype("<u2").tobytes()])
 
 
 @dataclass
@@ -374,16 +373,7 @@ class Block:
 def parse_block(data: bytes | memoryview, rows: int, n_comp: int) -> Block:
     """Validate a substream's tables against its size; raises CodecError naming what is off."""
     data = memoryview(data).cast("B")
-    nbitmap = (n_comp + 7) // 8
-    if len(data) < nbitmap + 4:
-        raise CodecError(f"substream of {len(data)} bytes is shorter than its bitmap and escape count")
-    coded = np.unpackbits(np.frombuffer(data[:nbitmap], np.uint8), count=n_comp, bitorder="little").astype(bool)
-    (n_esc,) = struct.unpack_from("<I", data, nbitmap)
-    pos = nbitmap + 4
-    if n_esc * 4 + 8 > len(data) - pos:
-        raise CodecError(f"substream claims {n_esc} escaped symbols but holds {len(data) - pos} bytes")
-    escaped = np.frombuffer(data[pos:pos + 4 * n_esc], "<i4")
-    pos += 4 * n_esc
+    coded, escaped, pos = entropy.read_head(data, n_comp, rest=8)
     per_lane, n_lanes = struct.unpack_from("<II", data, pos)
     pos += 8
     coded_idx = np.flatnonzero(coded)
