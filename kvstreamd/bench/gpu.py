@@ -175,21 +175,19 @@ def run(layers: int = 32, heads: int = 8, head_dim: int = 128, tokens: int = 819
             dec.decode(chunks)
         sync()
         runs = []
-        for rep in tqdm(range(reps), desc="decode", disable=not progress):
+        def timed(fn, *args) -> float:
             sync()
             t0 = time.perf_counter()
-            out = dec.run(prep)
+            out = fn(*args)
             sync()
-            t1 = time.perf_counter()
+            dt = time.perf_counter() - t0
             del out
-            sync()
-            t2 = time.perf_counter()
-            out = dec.decode(chunks)
-            sync()
-            t3 = time.perf_counter()
-            del out
-            runs.append({"rep": rep, "run_s": round(t1 - t0, 6), "run_GBps": round(out_bytes / (t1 - t0) / 1e9, 4),
-                         "decode_s": round(t3 - t2, 6), "decode_GBps": round(out_bytes / (t3 - t2) / 1e9, 4)})
+            return dt
+
+        for rep in tqdm(range(reps), desc="decode", disable=not progress):
+            run_s, decode_s = timed(dec.run, prep), timed(dec.decode, chunks)
+            runs.append({"rep": rep, "run_s": round(run_s, 6), "run_GBps": round(out_bytes / run_s / 1e9, 4),
+                         "decode_s": round(decode_s, 6), "decode_GBps": round(out_bytes / decode_s / 1e9, 4)})
 
         # Correctness, once: the device's entropy decode against the C library's, bit for bit,
         # and the decoded KV against the CPU codec (the pool's decode is codec.decode's, split
