@@ -267,17 +267,19 @@ class Daemon:
         place = {"device": str(self.gpu) if on_gpu else "cpu"}
         if on_gpu:
             seg = await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index) if p.found else None
-            if seg is not None:
-                place["cuda_ipc"] = seg.handle()
         else:
             seg = allocate(shape, dtype) if p.found else None
             if device == "cuda":  # asked for, not there: the CPU path, and the reason
                 place["gpu_unavailable"] = self.gpu_why
-        buffer = seg.tensor(shape, dtype) if seg else None
-        if seg is not None:
+        if seg is not None:  # held from here, so that any failure below releases it
             self.buffers[seg.name] = _Buffer(seg, time.monotonic() + self.cfg.api.buffer_lease_s)
+        buffer = None
         ok = False
         try:
+            if seg is not None:
+                buffer = seg.tensor(shape, dtype)
+                if on_gpu:
+                    place["cuda_ipc"] = seg.handle()
             await emit({"event": "start", "buffer": seg.name if seg else None, "shape": list(shape), "dtype": dtype,
                         **place, "prompt_tokens": len(tokens), "found_tokens": p.found_tokens,
                         "chunk_tokens": self.cfg.codec.chunk_tokens,
