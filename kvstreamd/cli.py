@@ -90,7 +90,8 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 def _profile_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from . import calibrate, models
+    from . import models
+    from .lab import calibrate
 
     torch.manual_seed(0)
     from codec import Profile

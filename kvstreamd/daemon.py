@@ -25,7 +25,7 @@ from codec.parallel import SEG_PREFIX as CODEC_SEG_PREFIX
 from . import __version__, sdnotify
 from . import config as config_mod
 from .api import make_app
-from .coding import Coder
+from .coder import Coder
 from .cuda_ipc import CudaBuffer
 from .config import Config, ConfigError
 from .directory import Directory

@@ -20,7 +20,7 @@ from codec.errors import CodecError
 from transport import aio
 from transport.policy import TEXT
 
-from .coding import Coder
+from .coder import Coder
 from .directory import Directory
 from .metrics import Metrics
 from .peers import PeerManager

@@ -13,7 +13,8 @@ import torch
 import codec
 from codec import profile as profiles
 from codec.parallel import CodecPool
-from kvstreamd import calibrate, corpus, models, quality
+from kvstreamd import models
+from kvstreamd.lab import calibrate, corpus, quality
 
 CHUNK = 256
 

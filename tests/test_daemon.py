@@ -19,9 +19,10 @@ import torch
 
 import codec
 from codec import gpu, profile as profiles
-from kvstreamd import corpus, models
+from kvstreamd import models
+from kvstreamd.lab import corpus
 from kvstreamd.client import AsyncClient, ClientError, _UnixHTTPConnection
-from kvstreamd.cluster import Node, wait_for
+from kvstreamd.lab.daemons import Node, wait_for
 
 CHUNK = 256
 
@@ -337,7 +338,7 @@ def test_default_configuration_starts_with_no_edits(tmp_path):
            "KVSTREAMD_CONFIG": ""}
     repo_cfg = Path(__file__).parents[1] / "config.toml"
     port = None
-    from kvstreamd.cluster import free_port
+    from kvstreamd.lab.daemons import free_port
     port = free_port()
     # the repo's config.toml is the default configuration; only the port moves, so a daemon already
     # on 9400 here cannot make this test flaky

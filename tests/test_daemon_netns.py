@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstreamd import netlab
-from kvstreamd.cluster import Node, wait_for
+from kvstreamd.lab import netns
+from kvstreamd.lab.daemons import Node, wait_for
 
 from test_daemon import CHUNK, expected_chunk, real_context
 
-ok, why = netlab.available()
+ok, why = netns.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
 
 
@@ -41,7 +41,7 @@ def fetch_killing(node: Node, victim: Node, model_id: str, tokens: list[int]):
 
 def test_peer_killed_mid_stream(tmp_path, long_context, short_context):
     model_id, tokens, kv = long_context
-    with netlab.Link(rate_mbit=8) as link:
+    with netns.Link(rate_mbit=8) as link:
         extra = {"codec": {"chunk_tokens": CHUNK, "workers": 1}}
         a = Node("a", tmp_path / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)
         b = Node("b", tmp_path / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra)

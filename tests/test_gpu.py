@@ -245,7 +245,7 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     """The daemon's fetch pipeline with StreamStages in its receive, decode and fill stages
     (what a fetch with device "cuda" gets on a GPU host), here on the CPU: same chunks, same
     events, and a chunk that does not decode becomes TEXT."""
-    from kvstreamd.coding import Coder
+    from kvstreamd.coder import Coder
     from kvstreamd.directory import Directory
     from kvstreamd.metrics import Metrics
     from kvstreamd.pipeline import FetchJob, plan

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvstreamd import models
+from kvstreamd.lab import corpus
 
-# DESIGN.md: the test text lies in ../shared/data/wikitext-2/ next to the repository.
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
+WIKITEXT = corpus.wikitext_dir() / "test.txt"
 
 # Observed max |diff| is ~6e-5 (fp32 GEMMs round differently for different numbers of query
 # rows); a wrong position or a mangled K/V shows up as differences of order 1.

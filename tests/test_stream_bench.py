@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvstreamd import netlab
+from kvstreamd.lab import netns
 from kvstreamd.bench import stream, stream_data
 
-ok, why = netlab.available()
+ok, why = netns.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
 
 DPPL = {"fp16": 0.0, "int8": 0.0, "high": 0.0, "balanced": 0.22, "fast": 1.86, "text": 0.0}
@@ -22,7 +22,7 @@ def data_dir(tmp_path_factory):
 
 
 def test_fast_link_and_loose_deadline_get_lossless_levels(data_dir):
-    with netlab.Link(rate_mbit=500) as link:
+    with netns.Link(rate_mbit=500) as link:
         r = stream.one_run(link, data_dir, "adaptive", deadline_ms=20_000, dppl=DPPL)
     assert r["complete"] and len(r["levels"]) == 2
     assert all(DPPL[lv] == 0 for lv in r["levels"])
@@ -30,7 +30,7 @@ def test_fast_link_and_loose_deadline_get_lossless_levels(data_dir):
 
 
 def test_slow_link_and_tight_deadline_get_smaller_levels(data_dir):
-    with netlab.Link(rate_mbit=8) as link:
+    with netns.Link(rate_mbit=8) as link:
         r = stream.one_run(link, data_dir, "adaptive", deadline_ms=1500, dppl=DPPL)
     assert r["complete"] and len(r["levels"]) == 2
     fp16_bytes = 2 * 256 * 11_520 * 2
@@ -39,7 +39,7 @@ def test_slow_link_and_tight_deadline_get_smaller_levels(data_dir):
 
 
 def test_text_method_has_the_receiver_recompute_every_chunk(data_dir):
-    with netlab.Link(rate_mbit=100) as link:
+    with netns.Link(rate_mbit=100) as link:
         r = stream.one_run(link, data_dir, "text", deadline_ms=20_000, dppl=DPPL)
     assert r["levels"] == ["text", "text"] and r["complete"]
     assert r["bytes"] < 10_000

@@ -19,7 +19,8 @@ import codec
 from codec import baselines, profile as profiles
 from codec.parallel import CodecPool
 
-from .. import corpus, models, quality
+from .. import models
+from ..lab import corpus, quality
 
 SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:high", "cachegen:balanced",
            "cachegen:fast"]

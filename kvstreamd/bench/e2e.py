@@ -3,7 +3,7 @@ daemons as two hosts -- two network namespaces joined by a veth pair shaped to a
 run as root, plain loopback (unshaped, said so) otherwise. Host a prefills a long WikiText-2
 document with the real model and stores its KV through the local API; on host b a prompt that
 starts with the document arrives, and the model answers it four ways, TTFT measured the same way
-for each (from the prompt's arrival to the first generated token, `models.cluster.generate`):
+for each (from the prompt's arrival to the first generated token, `models.prefix.generate`):
 
 - recompute: prefill the whole prompt on b;
 - fp16 / int8: fetch the prefix's KV at exactly that level through the daemons;
@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from .. import corpus, models, netlab, quality
-from ..cluster import Node, wait_for
-from ..models.cluster import generate
+from .. import models
+from ..lab import corpus, netns, quality
+from ..lab.daemons import Node, wait_for
+from ..models.prefix import generate
 
 METHODS = ["recompute", "fp16", "int8", "kvstreamd"]
 FETCH_LEVELS = {"fp16": ["fp16"], "int8": ["int8"], "kvstreamd": None}
@@ -46,7 +47,7 @@ DEADLINE_MS_PER_1K = 500  # the default SLO: half a second per 1024 tokens of co
 class Hosts:
     a: Node
     b: Node
-    link: netlab.Link | None
+    link: netns.Link | None
 
     @property
     def shaped(self) -> bool:
@@ -60,8 +61,8 @@ class Hosts:
 @contextmanager
 def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0):
     """Two daemons, a and b, peers of each other; in two namespaces if it can make them."""
-    ok, why = netlab.available()
-    link = netlab.Link().up() if ok else None
+    ok, why = netns.available()
+    link = netns.Link().up() if ok else None
     extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers},
              "store": {"memory_budget": "2GiB", "disk_budget": 0}}
     if link is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transport import traces as tracegen
 
-from .. import netlab
+from ..lab import netns
 from . import stream_data
 from .stream_peer import METHODS
 
@@ -33,7 +33,7 @@ def _dppl_table(codec_json: Path) -> dict[str, float]:
     return table
 
 
-def one_run(link: netlab.Link, data_dir: Path, method: str, deadline_ms: int, dppl: dict,
+def one_run(link: netns.Link, data_dir: Path, method: str, deadline_ms: int, dppl: dict,
             trace: list[float] | None = None, timeout: float = 300) -> dict:
     secret = os.urandom(16).hex()
     peer = [sys.executable, "-m", "kvstreamd.bench.stream_peer"]
@@ -84,7 +84,7 @@ def _save(json_path: str | None, report: dict) -> None:
 def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms: int | None = None,
         trace_file: str | None = None, n_traces: int = 0, methods: list[str] | None = None,
         trace_deadline_ms: int | None = None, json_path: str | None = None, log=print) -> dict:
-    ok, why = netlab.available()
+    ok, why = netns.available()
     if not ok:
         raise SystemExit(f"bench stream needs network namespaces: {why}")
     methods = methods or METHODS
@@ -99,7 +99,7 @@ def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms:
     dppl = _dppl_table(Path("bench-out/codec.json"))
     results = []
     for bw in bandwidths:
-        with netlab.Link(rate_mbit=bw) as link:
+        with netns.Link(rate_mbit=bw) as link:
             for method in methods:
                 rs = [one_run(link, data_dir, method, deadline_ms, dppl) for _ in range(runs)]
                 r = _summary(method, bw, tokens, rs, dppl, deadline_ms)
@@ -114,7 +114,7 @@ def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms:
     trace_list += [(f"seed{k}", tracegen.generate(k, n_chunks)) for k in range(n_traces)]
     trace_results = []
     for name, trace in trace_list:
-        with netlab.Link(rate_mbit=trace[0]) as link:
+        with netns.Link(rate_mbit=trace[0]) as link:
             for method in ("cachegen-rule", "adaptive"):
                 r = _summary(method, None, tokens, [one_run(link, data_dir, method, trace_deadline_ms, dppl, trace)],
                              dppl, trace_deadline_ms)

@@ -13,7 +13,8 @@ import torch
 from codec import baselines, profile as profiles
 from codec.parallel import CodecPool
 
-from .. import corpus, models
+from .. import models
+from ..lab import corpus
 
 LEVELS = ["fp16", "int8", "high", "balanced", "fast"]  # best quality first; "text" is the last resort
 

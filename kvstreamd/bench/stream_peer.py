@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvstreamd import netlab
+from kvstreamd.lab import netns
 from transport import aio
 from transport.bandwidth import BandwidthEstimator, Probe
 from transport.policy import DPPL, TEXT, Choice, adaptive_rule, cachegen_rule
@@ -60,7 +60,7 @@ def receiver_work(manifest: dict) -> dict[str, float]:
 
 def set_rate(dev: str, mbit: float) -> None:
     """Reshape this host's side of the link (the sender runs inside its namespace, as root)."""
-    subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", *netlab.tbf(mbit)], check=True)
+    subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", *netns.tbf(mbit)], check=True)
 
 
 async def serve(args) -> None:

@@ -1,5 +1,5 @@
 """Daemons as real processes on one machine, each with its own config, store, socket and port
-(optionally inside a network namespace of netlab.Link): what the tests, `make demo` and
+(optionally inside a network namespace of netns.Link): what the tests, `make demo` and
 `kvstreamd bench e2e` stand a cluster up with."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .client import Client, ClientError
+from ..client import Client, ClientError
 
 
 def free_port() -> int:

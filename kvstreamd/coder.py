@@ -14,7 +14,7 @@ from codec.errors import CodecError
 from codec.parallel import CodecPool
 from codec.profile import Profile
 
-log = logging.getLogger("kvstreamd.coding")
+log = logging.getLogger("kvstreamd.coder")
 
 # One core decodes ~140-160 MB/s of fp16 at the entropy-coded levels (docs/benchmarks.md); a
 # prior for the first FETCH, replaced by what this host measures.

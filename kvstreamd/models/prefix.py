@@ -3,7 +3,7 @@ HuggingFace-transformers model (any decoder whose cache is a `DynamicCache` of `
 layers, keys post-RoPE, as Llama's).
 
     from kvstreamd.client import Client
-    from kvstreamd.models.cluster import generate
+    from kvstreamd.models.prefix import generate
     new_tokens, reuse = generate(model, prompt_ids, Client(), model_id, max_new_tokens=64)
 
 It asks the local daemon for the prompt's longest cached prefix, lets the daemon stream it into

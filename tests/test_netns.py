@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from kvstreamd import netlab
+from kvstreamd.lab import netns
 
-ok, why = netlab.available()
+ok, why = netns.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
 
 SERVER = """
@@ -29,7 +29,7 @@ print(n, time.perf_counter() - t)
 """
 
 
-def transfer(link: netlab.Link, nbytes: int) -> float:
+def transfer(link: netns.Link, nbytes: int) -> float:
     """Bytes from a to b; returns Mbit/s measured by the receiver."""
     server = link.popen("a", [sys.executable, "-c", SERVER, str(nbytes)], stdout=subprocess.PIPE, text=True)
     try:
@@ -43,7 +43,7 @@ def transfer(link: netlab.Link, nbytes: int) -> float:
 
 
 def test_shaped_link_runs_at_its_rate_and_can_be_reshaped():
-    with netlab.Link(rate_mbit=40) as link:
+    with netns.Link(rate_mbit=40) as link:
         got = transfer(link, 5_000_000)
         assert 0.8 * 40 < got < 1.1 * 40
         link.shape(120)
@@ -52,7 +52,7 @@ def test_shaped_link_runs_at_its_rate_and_can_be_reshaped():
 
 
 def test_namespaces_are_removed_on_exit():
-    with netlab.Link() as link:
+    with netns.Link() as link:
         names = set(link.ns.values())
         assert names <= set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()

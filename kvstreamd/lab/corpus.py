@@ -5,17 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+SHIPPED = Path(__file__).resolve().parent / "wikitext-2"  # a copy ships with the package (README there)
 
 
 def wikitext_dir() -> Path:
-    """$KVSTREAMD_DATA, else ../shared/data/wikitext-2 beside the checkout."""
-    candidates = [os.environ.get("KVSTREAMD_DATA"), REPO.parent / "shared/data/wikitext-2",
-                  REPO / "shared/data/wikitext-2"]
-    for c in candidates:
-        if c and (Path(c) / "test.txt").is_file():
-            return Path(c)
-    raise FileNotFoundError("WikiText-2 not found: set KVSTREAMD_DATA to the folder holding test.txt and valid.txt")
+    """$KVSTREAMD_DATA (a folder holding test.txt and valid.txt), else the shipped copy."""
+    override = os.environ.get("KVSTREAMD_DATA")
+    d = Path(override) if override else SHIPPED
+    if not (d / "test.txt").is_file():
+        raise FileNotFoundError(f"WikiText-2 not found: {d} holds no test.txt (KVSTREAMD_DATA names the folder)")
+    return d
 
 
 def windows(tokenizer, split: str, count: int, length: int) -> list[list[int]]:

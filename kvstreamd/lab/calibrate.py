@@ -14,7 +14,8 @@ import codec
 from codec import profile as profiles
 from codec.levels import LADDER, LEVELS
 
-from . import corpus, models, quality
+from .. import models
+from . import corpus, quality
 
 # What each level aims for on calibration text: the KL divergence of next-token distributions.
 LEVEL_KL_TARGETS = {"high": 0.0012, "balanced": 0.0028, "fast": 0.016}
