@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from codec import catalog
 from codec.errors import CodecError
 
 from . import pipeline
@@ -132,11 +133,10 @@ def _levels(body: dict, d: "Daemon") -> list[str] | None:
     levels = _field(body, "levels", list, None)
     if levels is None:
         return None
-    from codec import baselines, levels as codec_levels
-    known = set(codec_levels.LEVELS) | set(baselines.SCHEMES)
+    known = catalog.names()
     bad = [lv for lv in levels if not isinstance(lv, str) or lv not in known]
     if not levels or bad:
-        raise ApiError(400, "bad_request", f"levels must be a non-empty list of {sorted(known)}; got {levels!r}")
+        raise ApiError(400, "bad_request", f"levels must be a non-empty list of {known}; got {levels!r}")
     return levels
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
 
-from codec import baselines, levels as codec_levels, profile as profiles
+from codec import baselines, catalog, levels as codec_levels, profile as profiles
 from codec.errors import CodecError
 from codec.parallel import CodecPool
 from codec.profile import Profile
@@ -69,17 +70,17 @@ class Coder:
 
     def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int) -> bytes:
         """Blocking: one chunk at one level (named codec level or baseline scheme)."""
-        if level in baselines.SCHEMES:
+        if catalog.get(level).kind == "baseline":
             return baselines.SCHEMES[level].encode(kv)
         return self.pool.encode(kv, level, profile, start)
 
     def decode(self, level: str, payload: bytes | memoryview) -> torch.Tensor:
         """Blocking: CodecError for a payload that does not decode."""
-        if level in baselines.SCHEMES:
-            return baselines.SCHEMES[level].decode(payload)
-        if level not in codec_levels.LEVELS and not level.startswith("cachegen"):
+        scheme = catalog.SCHEMES.get(level)
+        if scheme is None:
             raise CodecError(f"unknown level {level!r}")
-        import time
+        if scheme.kind == "baseline":
+            return baselines.SCHEMES[level].decode(payload)
         t0 = time.perf_counter()
         kv = self.pool.decode(payload)
         self.observe(kv.numel() * 2 / 1e6, time.perf_counter() - t0)

@@ -286,10 +286,9 @@ def _peers(value, where, ctx) -> tuple[tuple[str, int], ...]:
 def _levels(value, where, ctx) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise _wrong_type(value, where, "an array of level names")
-    from codec.baselines import SCHEMES  # lazily: codec imports torch
-    from codec.levels import LEVELS
+    from codec import catalog  # lazily: codec imports torch
 
-    known = [*LEVELS, *SCHEMES]
+    known = catalog.names()
     if not value:
         raise ConfigError(f"{where}: [] is empty; at least one level is needed (e.g. [\"balanced\"])")
     for name in value:

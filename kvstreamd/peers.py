@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from transport import aio
 from transport.bandwidth import PeerBandwidth, Probe
 from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
-from transport.policy import DPPL, TEXT, Choice, adaptive_rule
+from codec import catalog
+from transport.policy import TEXT, Choice, adaptive_rule
 from transport.sender import StreamSender
 
 from .config import PeerConfig
@@ -23,7 +24,6 @@ from .store import Store
 log = logging.getLogger("kvstreamd.peers")
 
 ADVERTISE_BATCH = 20_000  # keys per ADVERTISE frame (32 B each: well under max_frame_bytes)
-BASELINE_DECODE_MBPS = 2000.0  # fp16/int8 "decode" is a copy or a multiply
 
 
 @dataclass
@@ -238,14 +238,14 @@ class PeerManager:
             self.metrics.error("fetch_not_found")
             await stream.fail(NOT_FOUND, f"chunk {missing[0]} ({fetch.keys[missing[0]].hex()[:16]}) is not held here")
             return None
-        coded = [lv for lv in fetch.levels if lv != TEXT and lv in DPPL and all(lv in r.levels for r in recs)]
+        coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs)]
         sizes = {lv: [len(r.levels[lv]) for r in recs] for lv in coded}
         sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
         caps = stream.peer.peer_caps or {}
         decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
         recompute_tps = float(fetch.recompute_tps or caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
         fp16_mb = max(2 * _numel(r.shape) for r in recs) / 1e6
-        work = {lv: fp16_mb / (BASELINE_DECODE_MBPS if lv in ("fp16", "int8") else decode_mbps) for lv in coded}
+        work = {lv: catalog.decode_seconds(lv, fp16_mb, decode_mbps) for lv in coded}
         work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
         estimator = self.bandwidth.get(peer)
         t0 = loop.time()
@@ -261,7 +261,7 @@ class PeerManager:
             rule = _fixed(coded[0])
             sizes = {coded[0]: sizes[coded[0]]}
         sender = StreamSender(fetch.req, len(recs), sizes, max(stream.remaining() * 1000, 1.0), loop.time(),
-                              rule, estimator, work, DPPL)
+                              rule, estimator, work, catalog.dppl_table(coded))
         sent = 0
         busy = 0.0
         while (nxt := sender.next_chunk(loop.time())) is not None:

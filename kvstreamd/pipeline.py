@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 
 import torch
 
-from codec import levels as codec_levels
+from codec import catalog
 from codec.errors import CodecError
 from transport import aio
 from transport.policy import TEXT
@@ -202,7 +202,7 @@ class FetchJob:
         """On a GPU: parse the chunk into pinned memory and start its upload on the receive
         stream as it arrives, so that it overlaps the decode of the chunk before it. A chunk
         that does not parse is left for the decode stage, which turns it into TEXT."""
-        if self.stages is None or item.kind != "kv" or item.level not in codec_levels.LEVELS:
+        if self.stages is None or item.kind != "kv" or catalog.get(item.level).kind != "level":
             return
         try:
             item.staged = await asyncio.to_thread(self.stages.receive, item.payload)
@@ -217,7 +217,7 @@ class FetchJob:
             if item.kind == "kv":
                 t = time.perf_counter()
                 try:
-                    if self.stages is not None and item.level in codec_levels.LEVELS:
+                    if self.stages is not None and catalog.get(item.level).kind == "level":
                         item.kv = await asyncio.to_thread(self._decode_on_device, item)
                     else:
                         item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)

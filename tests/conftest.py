@@ -42,3 +42,36 @@ def lm():
 
     torch.set_num_threads(2)
     return models.load()
+
+
+@pytest.fixture
+async def inprocess(tmp_path, small_profile):
+    """Daemons in this test's event loop (no subprocess, no root): `await inprocess(["a", "b"],
+    codec={...})` starts one per name, each with its own store, API socket and peer port on
+    loopback, peered with the others, coding with the small synthetic profile. All are stopped
+    at the end."""
+    from kvstreamd import config as config_mod
+    from kvstreamd.daemon import Daemon
+    from kvstreamd.lab.daemons import Node
+
+    profile_path = tmp_path / "synthetic.kvprofile"
+    small_profile.save(profile_path)
+    started: list[Daemon] = []
+
+    async def start(names: list[str], **extra: dict) -> list[Daemon]:
+        codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(profile_path), **extra.pop("codec", {})}
+        nodes = [Node(n, tmp_path / n, extra={"codec": codec_cfg, **extra}) for n in names]
+        daemons = []
+        for n in nodes:
+            n.peers = [m.addr for m in nodes if m is not n]
+            n.root.mkdir(parents=True, exist_ok=True)
+            n.config_path.write_text(n.config_text())
+            d = Daemon(config_mod.load(n.config_path))
+            await d.start()
+            started.append(d)
+            daemons.append(d)
+        return daemons
+
+    yield start
+    for d in reversed(started):
+        await d.stop()

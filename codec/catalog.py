@@ -1,0 +1,64 @@
+"""Every name a chunk can be stored or sent at, and what each costs: the codec's levels
+(`codec.levels`) and the comparison baselines (`codec.baselines`). The daemon's config, its
+API and the sender's level choice all read this one table; a name missing here is not a level.
+
+Costs are measured on SmolLM2-135M-Instruct over WikiText-2 test.txt (docs/benchmarks.md,
+`kvstreamd bench codec`); the policy gets them as data (`dppl_table`), never from its own copy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+TEXT = "text"  # not a scheme: the token ids, for the receiver to recompute (always available)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One way a chunk's KV travels."""
+
+    name: str
+    kind: str  # "level": a CacheGen-family bitstream (codec.encode/decode); "baseline": codec.baselines
+    dppl: float  # quality cost, Δppl % of the continuation's perplexity on the decoded cache
+    # MB/s of fp16 output one core decodes; None for the entropy-coded levels, whose rate the
+    # receiver measures and tells the sender (FETCH decode_mbps)
+    decode_mbps: float | None = None
+
+
+# Δppl over 768 scored tokens is noisy to about ±0.3 points: int8 measures -0.09% and high +0.31%
+# (at KL 0.00102, less than half of balanced's 0.00233, whose Δppl is +0.22%). Both count as 0,
+# the near-lossless levels, which keeps the ladder in KL order. The baselines' decode rates are
+# their measured per-core rates, rounded down.
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("high", "level", 0.0),
+    Scheme("balanced", "level", 0.22),
+    Scheme("fast", "level", 1.86),
+    Scheme("cachegen-paper", "level", 18.4),
+    Scheme("cachegen-paper-high", "level", 18.4),  # not measured apart; priced as its middle sibling
+    Scheme("cachegen-paper-fast", "level", 18.4),
+    Scheme("fp16", "baseline", 0.0, decode_mbps=2000.0),
+    Scheme("zstd-fp16", "baseline", 0.0, decode_mbps=800.0),
+    Scheme("int8", "baseline", 0.0, decode_mbps=1500.0),
+    Scheme("kivi2", "baseline", 18.1, decode_mbps=1000.0),
+)}
+
+
+def names() -> list[str]:
+    return list(SCHEMES)
+
+
+def get(name: str) -> Scheme:
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown level {name!r}; known: {', '.join(SCHEMES)}") from None
+
+
+def dppl_table(levels: Iterable[str]) -> dict[str, float]:
+    """level -> Δppl % for these levels plus TEXT (recompute is exact): what a rule weighs."""
+    return {**{lv: SCHEMES[lv].dppl for lv in levels if lv != TEXT}, TEXT: 0.0}
+
+
+def decode_seconds(level: str, fp16_mb: float, receiver_mbps: float) -> float:
+    """The receiver's seconds to decode a chunk of `fp16_mb` MB of fp16 KV at `level`."""
+    rate = SCHEMES[level].decode_mbps
+    return fp16_mb / (rate if rate is not None else receiver_mbps)

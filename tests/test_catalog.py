@@ -1,0 +1,30 @@
+"""The one table of levels and baselines: every scheme the codec implements is priced there,
+and nothing is priced that the codec cannot code."""
+from codec import baselines, catalog, levels
+from transport.policy import TEXT
+
+
+def test_every_codec_level_and_baseline_is_in_the_catalog_and_nothing_else():
+    assert set(catalog.SCHEMES) == set(levels.LEVELS) | set(baselines.SCHEMES)
+    for name in levels.LEVELS:
+        assert catalog.get(name).kind == "level"
+    for name in baselines.SCHEMES:
+        assert catalog.get(name).kind == "baseline"
+        assert catalog.get(name).decode_mbps > 0
+
+
+def test_the_policy_table_prices_the_levels_asked_for_and_text():
+    table = catalog.dppl_table(["high", "cachegen-paper", "int8"])
+    assert table == {"high": 0.0, "cachegen-paper": catalog.get("cachegen-paper").dppl, "int8": 0.0, TEXT: 0.0}
+    assert catalog.TEXT == TEXT
+
+
+def test_decode_time_uses_the_receivers_rate_for_entropy_coded_levels_only():
+    assert catalog.decode_seconds("high", 100.0, receiver_mbps=50.0) == 2.0
+    assert catalog.decode_seconds("fp16", 100.0, receiver_mbps=50.0) == 100.0 / catalog.get("fp16").decode_mbps
+
+
+def test_an_unknown_name_is_named():
+    import pytest
+    with pytest.raises(ValueError, match="unknown level 'ultra'"):
+        catalog.get("ultra")
