@@ -32,7 +32,8 @@ from codec.errors import CodecError
 from . import pipeline
 from .metrics import new_request_id
 from .shm import DTYPES, Attached, ShmError
-from .store import StoreError, chunk_keys
+from .keys import chunk_keys
+from .store import StoreError
 
 if TYPE_CHECKING:
     from .daemon import Daemon

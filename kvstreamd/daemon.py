@@ -33,7 +33,9 @@ from .metrics import Metrics, set_level, setup_logging
 from .peers import PeerManager
 from .pipeline import FetchJob, allocate, plan
 from .shm import Segment, sweep_stale
-from .store import ChunkRecord, Store, chunk_keys
+from .chunkfile import ChunkRecord
+from .keys import chunk_keys
+from .store import Store
 
 log = logging.getLogger("kvstreamd.daemon")
 

@@ -25,7 +25,8 @@ from .directory import Directory
 from .metrics import Metrics
 from .peers import PeerManager
 from .shm import Segment
-from .store import Store, chunk_keys, prefix_keys
+from .keys import chunk_keys, prefix_keys
+from .store import Store
 
 log = logging.getLogger("kvstreamd.pipeline")
 

@@ -249,7 +249,9 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     from kvstreamd.directory import Directory
     from kvstreamd.metrics import Metrics
     from kvstreamd.pipeline import FetchJob, plan
-    from kvstreamd.store import ChunkRecord, Store, chunk_keys
+    from kvstreamd.chunkfile import ChunkRecord
+    from kvstreamd.keys import chunk_keys
+    from kvstreamd.store import Store
 
     p = small_profile
     kv = synthetic_kv(80, seed=9).to(torch.float16)

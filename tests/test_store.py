@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstreamd.store import (ChunkRecord, ContextInfo, Store, StoreError, chunk_key, chunk_keys)
+from kvstreamd.chunkfile import ChunkRecord
+from kvstreamd.keys import chunk_key, chunk_keys
+from kvstreamd.store import ContextInfo, Store, StoreError
 
 KIB = 1024
 LEVELS = ("high", "balanced", "fast")
@@ -83,8 +85,8 @@ def check_consistent(s: Store, dir: Path | None, events: Events | None = None):
     u = s.usage()
     keys = s.keys()
     assert len(keys) == len(set(keys)) == len(s) == u.chunks
-    assert s._mem_bytes == sum(r.nbytes for r in s._mem.values()) == u.memory_bytes
-    assert u.disk_bytes == sum(s._disk.values())
+    assert s._mem.bytes == sum(s._mem.get(k).nbytes for k in s._mem) == sum(map(s._mem.size, s._mem)) == u.memory_bytes
+    assert u.disk_bytes == sum(map(s._disk.size, s._disk)) == s._disk.bytes
     assert set(keys) == set(s._mem) | set(s._disk)
     if dir is not None:
         on_disk = {bytes.fromhex(p.name[:-4]) for p in chunk_files(dir)}
