@@ -18,9 +18,10 @@ from transport.messages import (Ack, Advertise, Auth, Cancel, Chunk, End, Error,
                                 Pong, ProtocolError, Text, Withdraw, from_wire, to_wire)
 from transport.protocol import (AUTH_FAILED, BAD_CRC, BAD_FRAME, BAD_MESSAGE, BAD_REQUEST,
                                 CONNECTION_LOST, FRAME_TOO_LARGE, HANDSHAKE_MAX_FRAME_BYTES, NORMAL,
-                                PROTO, UNEXPECTED_MESSAGE, UNKNOWN_TYPE, VERSION, Connection,
-                                ConnectionClosed, HandshakeComplete, LocalProtocolError,
-                                MessageReceived, State, auth_proof)
+                                PROTO, UNEXPECTED_MESSAGE, UNKNOWN_TYPE, VERSION, AckReceived,
+                                CancelReceived, ChunkReceived, Connection, ConnectionClosed,
+                                EndReceived, ErrorReceived, FetchReceived, HandshakeComplete,
+                                LocalProtocolError, MessageReceived, State, auth_proof)
 
 SECRET = b"cluster-secret"
 NOW = 1.0
@@ -335,7 +336,7 @@ def fetch(c: Connection, s: Connection, keys=KEYS) -> int:
     req = c.next_request_id()
     c.send(Fetch(req, keys, 1000, ["high"], 100.0), NOW)
     s.receive_data(c.data_to_send(), NOW)
-    assert events(s) == [MessageReceived(Fetch(req, keys, 1000, ["high"], 100.0))]
+    assert events(s) == [FetchReceived(Fetch(req, keys, 1000, ["high"], 100.0))]
     return req
 
 
@@ -344,9 +345,10 @@ def test_chunks_are_acked_on_receipt_with_their_wire_size():
     req = fetch(c, s)
     sizes = [s.send(Chunk.of(req, 0, "high", b"a" * 1000), NOW), s.send(Text(req, 1, [5, 6]), NOW)]
     c.receive_data(s.data_to_send(), NOW)
-    assert [type(e.msg) for e in events(c)] == [Chunk, Text]
+    assert [(type(e), type(e.msg), e.wire_bytes) for e in events(c)] == [(ChunkReceived, Chunk, sizes[0]),
+                                                                          (ChunkReceived, Text, sizes[1])]
     s.receive_data(c.data_to_send(), NOW)
-    assert events(s) == [MessageReceived(Ack(req, 0, sizes[0])), MessageReceived(Ack(req, 1, sizes[1]))]
+    assert events(s) == [AckReceived(Ack(req, 0, sizes[0])), AckReceived(Ack(req, 1, sizes[1]))]
 
 
 def test_a_whole_request_ends_with_end_ok():
@@ -356,7 +358,9 @@ def test_a_whole_request_ends_with_end_ok():
         s.send(Chunk.of(req, i, "high", bytes([i])), NOW)
     s.send(End(req, "ok", False), NOW)
     c.receive_data(s.data_to_send(), NOW)
-    assert [type(e.msg) for e in events(c)] == [Chunk, Chunk, Chunk, End]
+    evs = events(c)
+    assert [type(e) for e in evs] == [ChunkReceived, ChunkReceived, ChunkReceived, EndReceived]
+    assert evs[-1].complete
     assert c.fetching == {} and s.serving == {}
 
 
@@ -410,10 +414,10 @@ def test_cancel_reaches_the_server_and_late_chunks_are_dropped_unacked():
     c.receive_data(s.data_to_send(), NOW)
     assert events(c) == []
     s.receive_data(c.data_to_send(), NOW)
-    assert events(s) == [MessageReceived(Cancel(req))]  # no ACK for the dropped chunk
+    assert events(s) == [CancelReceived(Cancel(req))]  # no ACK for the dropped chunk
     s.send(End(req, "cancelled", False), NOW)
     c.receive_data(s.data_to_send(), NOW)
-    assert events(c) == [MessageReceived(End(req, "cancelled", False))]
+    assert events(c) == [EndReceived(End(req, "cancelled", False))]
     assert c.fetching == {} and s.serving == {}
     c.receive_data(frame(**to_wire(Chunk.of(req, 1, "high", b"x"))), NOW)  # after END: a violation
     closed_with(c, BAD_REQUEST)
@@ -425,7 +429,7 @@ def test_ack_after_end_is_still_delivered_and_cancel_after_end_is_ignored():
     s.send(Text(req, 0, [1]), NOW)
     s.send(End(req, "ok", False), NOW)
     s.receive_data(frame(**to_wire(Cancel(req))) + frame(**to_wire(Ack(req, 0, 5))), NOW)
-    assert events(s) == [MessageReceived(Ack(req, 0, 5))] and s.state is State.READY
+    assert events(s) == [AckReceived(Ack(req, 0, 5))] and s.state is State.READY
 
 
 def test_ack_for_a_chunk_not_sent_is_refused():
@@ -440,7 +444,7 @@ def test_request_error_ends_only_that_request():
     req = fetch(c, s)
     s.send(Error("not_found", "no key k1", req), NOW)
     c.receive_data(s.data_to_send(), NOW)
-    assert events(c) == [MessageReceived(Error("not_found", "no key k1", req))]
+    assert events(c) == [ErrorReceived(Error("not_found", "no key k1", req))]
     assert c.state is State.READY and c.fetching == {}
 
 
@@ -548,9 +552,12 @@ def conversation(pieces: list[int]) -> tuple[list, list]:
 def test_conversation_fed_whole_ends_cleanly():
     cev, sev = conversation([10**9])
     assert [type(e).__name__ for e in cev] == ["HandshakeComplete", "MessageReceived", "MessageReceived",
-                                               "MessageReceived", "MessageReceived", "MessageReceived",
-                                               "MessageReceived", "ConnectionClosed"]
+                                               "ChunkReceived", "ChunkReceived", "ChunkReceived",
+                                               "EndReceived", "ConnectionClosed"]
+    assert [type(e.msg).__name__ for e in cev[1:-1]] == ["Advertise", "Pong", "Chunk", "Text", "Chunk", "End"]
     assert sev[-1] == ConnectionClosed(NORMAL, "done", True)
+    assert [type(e).__name__ for e in sev[1:-1]] == ["MessageReceived", "FetchReceived", "MessageReceived",
+                                                    "AckReceived", "AckReceived", "AckReceived"]
     assert [type(e.msg).__name__ for e in sev[1:-1]] == ["Advertise", "Fetch", "Ping", "Ack", "Ack", "Ack"]
 
 

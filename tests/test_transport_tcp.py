@@ -23,7 +23,7 @@ KEYS = list(PAYLOADS)
 
 def streaming_handler(pace: bool = False, cancelled: asyncio.Event | None = None, acks: list | None = None):
     """Streams PAYLOADS[key] for each key as CHUNKs; with pace, waits for each ACK first."""
-    async def handler(stream: aio.Stream, fetch) -> None:
+    async def handler(stream: aio.ServedFetch, fetch) -> None:
         try:
             for i, key in enumerate(fetch.keys):
                 size = await stream.send_chunk(i, "high", PAYLOADS[key])
@@ -150,7 +150,7 @@ async def test_garbage_bytes_close_only_that_connection(server, after_handshake)
 async def test_server_dropping_a_connection_mid_stream_fails_only_that_fetch():
     victim_cut = asyncio.Event()
 
-    async def handler(stream: aio.Stream, fetch) -> None:
+    async def handler(stream: aio.ServedFetch, fetch) -> None:
         if stream.peer.peer_node_id == "bystander":
             await stream.send_chunk(0, "high", PAYLOADS[fetch.keys[0]])
             await victim_cut.wait()  # the bystander is mid-stream when the victim is cut
@@ -233,7 +233,7 @@ async def test_every_chunk_is_acked_with_its_wire_size():
 
 
 async def test_handler_failure_ends_only_that_request():
-    async def handler(stream: aio.Stream, fetch) -> None:
+    async def handler(stream: aio.ServedFetch, fetch) -> None:
         if fetch.keys[0] == b"bad":
             raise RuntimeError("disk on fire")
         await stream.send_text(0, [1, 2, 3])
@@ -292,7 +292,7 @@ async def test_a_fetcher_that_does_not_read_pushes_back_on_the_sender(server):
 
 
 async def test_either_side_can_serve_fetches(server):
-    async def client_handler(stream: aio.Stream, fetch) -> None:
+    async def client_handler(stream: aio.ServedFetch, fetch) -> None:
         await stream.send_text(0, [42])
         await stream.end()
 

@@ -1,5 +1,8 @@
-"""The only module that touches sockets: asyncio TCP glue that drives protocol.Connection,
-plus the request layer (serve FETCHes with a handler; fetch chunks as an async iterator)."""
+"""The only module that touches sockets: the asyncio adapter that feeds protocol.Connection
+bytes and loop time, writes what it queues, and turns its events into a handler task per
+FETCH served (`ServedFetch`, the sender side) and an async iterator per fetch (`FetchCall`,
+the fetcher side). Every request rule, how a request ends and buffer accounting are the
+Connection's; this module only moves bytes and wakes tasks."""
 from __future__ import annotations
 
 import asyncio
@@ -10,16 +13,17 @@ import zlib
 from typing import Any, Awaitable, Callable, Coroutine
 
 from . import frames
-from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, INTERNAL, NORMAL, NOT_FOUND, Ack,
-                       Cancel, Chunk, End, Error, Fetch, Message, Ping, Pong, Text)
-from .protocol import (Connection, ConnectionClosed, HandshakeComplete, MessageReceived, State)
+from .events import (AckReceived, CancelReceived, ChunkReceived, ConnectionClosed, EndReceived,
+                     ErrorReceived, FetchReceived, HandshakeComplete, MessageReceived)
+from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, NORMAL, NOT_FOUND, Ack, Cancel, Chunk,
+                       End, Error, Fetch, Message, Ping, Pong, Text)
+from .protocol import Connection, State
+from .requests import DEFAULT_MAX_BUFFERED_BYTES
 
 log = logging.getLogger("kvstreamd.transport")
 
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0  # seconds from TCP connect to READY
-DEFAULT_MAX_BUFFERED_BYTES = 64 * 2**20  # received chunks not yet taken by fetchers
-
-Handler = Callable[["Stream", Fetch], Awaitable[None]]
+Handler = Callable[["ServedFetch", Fetch], Awaitable[None]]
 OnConnect = Callable[["PeerConnection"], Awaitable[None] | None]
 
 
@@ -75,18 +79,20 @@ def run(main: Coroutine[Any, Any, Any]) -> Any:
         return runner.run(main)
 
 
-class FetchStream:
-    """The client side of one FETCH: an async iterator of its CHUNK and TEXT messages that
-    stops after END "ok" and raises a FetchError for any other ending."""
+class FetchCall:
+    """The fetcher side of one FETCH: an async iterator of its CHUNK and TEXT messages that
+    stops after END "ok" and raises a FetchError for any other ending. Made by
+    PeerConnection.fetch(), which feeds it with deliver() and finish()."""
 
-    def __init__(self, peer: PeerConnection, req: int):
+    def __init__(self, peer: PeerConnection, req: int, taken: Callable[[Chunk | Text], None]):
         self.peer = peer
         self.req = req
         self.end: End | None = None  # the END, once it has arrived (deadline_missed is on it)
+        self._taken = taken  # tells the connection a chunk left its buffer
         self._items: asyncio.Queue[Chunk | Text | None] = asyncio.Queue()
         self._final: FetchError | None = None  # set once the request is over and not ok
 
-    def __aiter__(self) -> FetchStream:
+    def __aiter__(self) -> FetchCall:
         return self
 
     async def __anext__(self) -> Chunk | Text:
@@ -95,35 +101,40 @@ class FetchStream:
         item = await self._items.get()
         if item is None:
             return self._stop()
-        self.peer._taken(item)
+        self._taken(item)
         return item
 
     async def cancel(self) -> None:
-        """Stop the stream: sends CANCEL; this iterator raises FetchCancelled from now on."""
+        """Stop the fetch: sends CANCEL; this iterator raises FetchCancelled from now on."""
         await self.peer.cancel(self.req)
+
+    def deliver(self, msg: Chunk | Text) -> None:
+        """A chunk of this fetch arrived (checked and acknowledged by the connection)."""
+        self._items.put_nowait(msg)
+
+    def finish(self, end: End | None, error: FetchError | None) -> None:
+        """The request is over: END "ok" (error None), or `error`. A fetch that did not end
+        "ok" drops what it holds; the connection has already stopped counting it."""
+        if error is not None:
+            self._final = error
+            while not self._items.empty():
+                self._items.get_nowait()
+        self.end = end
+        self._items.put_nowait(None)
 
     def _stop(self) -> Any:
         if self._final is not None:
             raise self._final
         raise StopAsyncIteration
 
-    def _finish(self, end: End | None, error: FetchError | None) -> None:
-        # a cancelled or broken request drops what it buffered; "ok" keeps it for the reader
-        if error is not None:
-            self._final = error
-            while not self._items.empty():
-                item = self._items.get_nowait()
-                if item is not None:
-                    self.peer._taken(item)
-        self.end = end
-        self._items.put_nowait(None)
 
+class ServedFetch:
+    """The sender side of one FETCH, handed to the handler in a task of its own: send the
+    chunks, watch the ACKs. A CANCEL cancels the task; the connection then ends the request
+    (END "cancelled"), as it does when the handler returns or raises without ending it."""
 
-class Stream:
-    """The serving side of one FETCH, handed to the handler: send the chunks, watch the
-    ACKs. A CANCEL cancels the handler's task; END "cancelled" is then sent for it."""
-
-    def __init__(self, peer: PeerConnection, fetch: Fetch, now: float):
+    def __init__(self, peer: PeerConnection, fetch: Fetch, now: float,
+                 send: Callable[[Message], Awaitable[int]]):
         self.peer = peer
         self.fetch = fetch
         self.req = fetch.req
@@ -133,21 +144,23 @@ class Stream:
         self.cancelled = False  # the peer sent CANCEL
         self.ended = False  # END or a request ERROR was sent
         self.task: asyncio.Task | None = None
+        self._send = send  # the connection's request-message writer (waits for the drain)
+        self._clock = asyncio.get_running_loop().time
 
     def remaining(self) -> float:
         """Seconds left before the deadline (negative once it has passed)."""
-        return self.deadline - self.peer._loop.time()
+        return self.deadline - self._clock()
 
     async def send_chunk(self, i: int, level: str, payload: bytes, crc: int | None = None) -> int:
         """Send chunk i at `level`; returns the frame's wire size (what its ACK reports)."""
         # crc32 runs at several GB/s (about 1 ms for 4 MiB), so it stays on the loop; a store
         # that keeps each chunk's crc can pass it and skip even that
         msg = Chunk(self.req, i, level, payload, zlib.crc32(payload) if crc is None else crc)
-        return await self.peer._send(msg)
+        return await self._send(msg)
 
     async def send_text(self, i: int, tokens: list[int]) -> int:
         """Send chunk i as token ids, for the receiver to recompute; returns the wire size."""
-        return await self.peer._send(Text(self.req, i, list(tokens)))
+        return await self._send(Text(self.req, i, list(tokens)))
 
     async def end(self, deadline_missed: bool | None = None) -> None:
         """Send END "ok" (every chunk must have been sent). deadline_missed defaults to
@@ -155,12 +168,12 @@ class Stream:
         if deadline_missed is None:
             deadline_missed = self.remaining() < 0
         self.ended = True
-        await self.peer._send(End(self.req, "ok", deadline_missed))
+        await self._send(End(self.req, "ok", deadline_missed))
 
     async def fail(self, code: str, msg: str) -> None:
         """End the request with a request-scoped ERROR; the connection stays open."""
         self.ended = True
-        await self.peer._send(Error(code, msg, self.req))
+        await self._send(Error(code, msg, self.req))
 
 
 class PeerConnection(asyncio.Protocol):
@@ -172,9 +185,11 @@ class PeerConnection(asyncio.Protocol):
                  max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                  max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-                 nonce_source: Callable[[int], bytes] | None = None):
+                 nonce_source: Callable[[int], bytes] | None = None,
+                 on_lost: Callable[[PeerConnection], None] | None = None):
         kw = {"nonce_source": nonce_source} if nonce_source else {}
-        self.conn = Connection(role, node_id, secret, max_frame_bytes=max_frame_bytes, caps=caps, **kw)
+        self.conn = Connection(role, node_id, secret, max_frame_bytes=max_frame_bytes, caps=caps,
+                               max_buffered_bytes=max_buffered_bytes, **kw)
         self.node_id = node_id
         self.peer_node_id: str | None = None  # known once ready
         self.peer_caps: dict | None = None
@@ -182,7 +197,7 @@ class PeerConnection(asyncio.Protocol):
         self._handler = handler
         self._on_connect = on_connect
         self._handshake_timeout = handshake_timeout
-        self._max_buffered = max_buffered_bytes
+        self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._ready: asyncio.Future[None] = self._loop.create_future()
@@ -192,11 +207,10 @@ class PeerConnection(asyncio.Protocol):
         self._writable.set()
         self._timer: asyncio.TimerHandle | None = None
         self._inbox: asyncio.Queue[Message | None] = asyncio.Queue()
-        self._fetches: dict[int, FetchStream] = {}
-        self._streams: dict[int, Stream] = {}
+        self._calls: dict[int, FetchCall] = {}  # this side's fetches still running, by req
+        self._served: dict[int, ServedFetch] = {}  # the peer's FETCHes with a handler running
         self._pings: dict[float, asyncio.Future[float]] = {}
-        self._buffered = 0
-        self._reading_paused = False
+        self._reading_paused = False  # what the transport was last told
         self._tasks: set[asyncio.Task] = set()
         self._label = "?"  # the peer's node id once known, its address before; for logs
 
@@ -228,7 +242,7 @@ class PeerConnection(asyncio.Protocol):
         """Send a message that is not part of a request (ADVERTISE, WITHDRAW, PING, ...)
         and wait for the write buffer to drain; returns its wire size."""
         if isinstance(msg, (Fetch, Chunk, Text, End, Cancel)) or (isinstance(msg, Error) and msg.req is not None):
-            raise TypeError(f"send {msg.TYPE} through fetch()/cancel() or the handler's Stream")
+            raise TypeError(f"send {msg.TYPE} through fetch()/cancel() or the handler's ServedFetch")
         return await self._send(msg)
 
     async def recv(self) -> Message:
@@ -249,24 +263,24 @@ class PeerConnection(asyncio.Protocol):
             raise StopAsyncIteration from None
 
     def fetch(self, keys: list[bytes], deadline_ms: int, levels: list[str],
-              decode_mbps: float | None = None, recompute_tps: float | None = None) -> FetchStream:
+              decode_mbps: float | None = None, recompute_tps: float | None = None) -> FetchCall:
         """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives)."""
         self._check_open()
         req = self.conn.next_request_id()
-        stream = FetchStream(self, req)
-        self._fetches[req] = stream
+        call = FetchCall(self, req, self._taken)
+        self._calls[req] = call
         self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps, recompute_tps),
                        self._loop.time())
         self._flush()
-        return stream
+        return call
 
     async def cancel(self, req: int) -> None:
         """Cancel our fetch `req` at once: its iterator raises FetchCancelled, late chunks
         are dropped. A no-op for a request that is already over."""
-        stream = self._fetches.pop(req, None)
-        if stream is None:
+        call = self._calls.pop(req, None)
+        if call is None:
             return
-        stream._finish(None, FetchCancelled("cancelled", "cancelled by this side", req))
+        call.finish(None, FetchCancelled("cancelled", "cancelled by this side", req))
         if self.conn.state is State.READY:
             await self._send(Cancel(req))
 
@@ -328,6 +342,8 @@ class PeerConnection(asyncio.Protocol):
         self._process()
         if not self._lost.done():
             self._lost.set_result(None)
+            if self._on_lost is not None:
+                self._on_lost(self)
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -371,14 +387,60 @@ class PeerConnection(asyncio.Protocol):
             t.close()  # after the buffered bytes (our ERROR) are written
 
     def _process(self) -> None:
+        now = self._loop.time()
         while (event := self.conn.next_event()) is not None:
-            if isinstance(event, MessageReceived):
-                self._dispatch(event.msg)
+            if isinstance(event, ChunkReceived):
+                call = self._calls.get(event.msg.req)
+                if call is None:  # nobody to take it; never held up reading
+                    self.conn.taken(event.msg)
+                else:
+                    call.deliver(event.msg)
+            elif isinstance(event, EndReceived):
+                if (call := self._calls.pop(event.msg.req, None)) is not None:
+                    call.finish(event.msg, None if event.complete else FetchFailed(
+                        event.msg.status, f"stream ended with status {event.msg.status!r}", event.msg.req))
+            elif isinstance(event, ErrorReceived):
+                if (call := self._calls.pop(event.msg.req, None)) is not None:
+                    call.finish(None, FetchFailed(event.msg.code, event.msg.msg, event.msg.req))
+            elif isinstance(event, FetchReceived):
+                self._serve(event.msg, now)
+            elif isinstance(event, AckReceived):
+                if (served := self._served.get(event.msg.req)) is not None:
+                    served.acks.put_nowait((event.msg, now))
+            elif isinstance(event, CancelReceived):
+                if (served := self._served.get(event.msg.req)) is not None and served.task is not None:
+                    served.cancelled = True
+                    served.task.cancel()  # at once: the handler sees CancelledError at its next await
+            elif isinstance(event, MessageReceived):
+                self._received(event.msg, now)
             elif isinstance(event, HandshakeComplete):
                 self._handshake_done(event)
             elif isinstance(event, ConnectionClosed):
                 self._connection_closed(event)
         self._flush()
+        self._sync_reading()
+
+    def _received(self, msg: Message, now: float) -> None:
+        if isinstance(msg, Pong):
+            fut = self._pings.pop(msg.time, None)
+            if fut is not None and not fut.done():
+                fut.set_result(now)
+        elif not isinstance(msg, Ping):  # the connection has already queued the PONG
+            self._inbox.put_nowait(msg)  # ADVERTISE, WITHDRAW, ERROR "unknown_type"
+
+    def _taken(self, item: Chunk | Text) -> None:
+        self.conn.taken(item)
+        self._sync_reading()
+
+    def _sync_reading(self) -> None:
+        # the connection decides when its buffer is too full; the transport just follows it
+        want = self.conn.reading_paused
+        if want != self._reading_paused and not self._transport_gone():
+            self._reading_paused = want
+            if want:
+                self._transport.pause_reading()
+            else:
+                self._transport.resume_reading()
 
     def _handshake_done(self, event: HandshakeComplete) -> None:
         if self._timer:
@@ -402,83 +464,29 @@ class PeerConnection(asyncio.Protocol):
                                                f"(state {self.conn.state.value})")
             self._process()
 
-    def _dispatch(self, msg: Message) -> None:
-        now = self._loop.time()
-        if isinstance(msg, (Chunk, Text)):
-            stream = self._fetches.get(msg.req)
-            if stream is not None:
-                self._buffered += len(msg.payload) if isinstance(msg, Chunk) else 4 * len(msg.tokens)
-                stream._items.put_nowait(msg)
-                if self._buffered > self._max_buffered and not self._reading_paused:
-                    # fetchers are not keeping up: let TCP push back on the sender
-                    self._reading_paused = True
-                    self._transport.pause_reading()
-        elif isinstance(msg, End):
-            stream = self._fetches.pop(msg.req, None)
-            if stream is not None:
-                err = None if msg.status == "ok" else FetchFailed(
-                    msg.status, f"stream ended with status {msg.status!r}", msg.req)
-                stream._finish(msg, err)
-        elif isinstance(msg, Error) and msg.req is not None:
-            stream = self._fetches.pop(msg.req, None)
-            if stream is not None:
-                stream._finish(None, FetchFailed(msg.code, msg.msg, msg.req))
-        elif isinstance(msg, Fetch):
-            self._serve(msg, now)
-        elif isinstance(msg, Ack):
-            if (s := self._streams.get(msg.req)) is not None:
-                s.acks.put_nowait((msg, now))
-        elif isinstance(msg, Cancel):
-            if (s := self._streams.get(msg.req)) is not None and s.task is not None:
-                s.cancelled = True
-                s.task.cancel()  # at once: the handler sees CancelledError at its next await
-        elif isinstance(msg, Pong):
-            fut = self._pings.pop(msg.time, None)
-            if fut is not None and not fut.done():
-                fut.set_result(now)
-        elif isinstance(msg, Ping):
-            pass  # the connection has already queued the PONG
-        else:  # ADVERTISE, WITHDRAW, ERROR "unknown_type"
-            self._inbox.put_nowait(msg)
-
-    def _taken(self, item: Chunk | Text) -> None:
-        self._buffered -= len(item.payload) if isinstance(item, Chunk) else 4 * len(item.tokens)
-        if self._reading_paused and self._buffered <= self._max_buffered // 2 and not self._transport_gone():
-            self._reading_paused = False
-            self._transport.resume_reading()
-
     def _serve(self, fetch: Fetch, now: float) -> None:
         if self._handler is None:
             self.conn.send(Error(NOT_FOUND, "this node serves no FETCH", fetch.req), now)
             return
-        stream = Stream(self, fetch, now)
-        self._streams[fetch.req] = stream
-        stream.task = self._spawn(self._handler(stream, fetch))
-        stream.task.add_done_callback(lambda task: self._handler_done(stream, task))
+        served = ServedFetch(self, fetch, now, self._send)
+        self._served[fetch.req] = served
+        served.task = self._spawn(self._handler(served, fetch))
+        served.task.add_done_callback(lambda task: self._handler_done(served, task))
 
-    def _handler_done(self, stream: Stream, task: asyncio.Task) -> None:
+    def _handler_done(self, served: ServedFetch, task: asyncio.Task) -> None:
         # a done-callback rather than code after the await: it also runs for a task cancelled
         # before its first step (FETCH and CANCEL in one read), so every request gets its END
-        self._streams.pop(stream.req, None)
-        error = None
+        self._served.pop(served.req, None)
+        failure = None
         if task.cancelled():
-            if not stream.cancelled:
+            if not served.cancelled:
                 return  # the connection or the server is going away, not a CANCEL
         elif (error := task.exception()) is not None:
-            log.warning("peer %s: req %d: handler failed: %r", self._label, stream.req, error)
-        r = self.conn.serving.get(stream.req)
-        if r is None or self.conn.state is not State.READY:
-            return  # ended by the handler, or the connection is gone
-        if stream.cancelled:
-            msg: Message = End(stream.req, "cancelled", stream.remaining() < 0)
-        elif error is not None:
-            msg = Error(INTERNAL, f"handler failed: {error!r}", stream.req)
-        elif len(r.done) < r.n:
-            msg = Error(INTERNAL, f"handler returned after {len(r.done)} of {r.n} chunks", stream.req)
-        else:
-            msg = End(stream.req, "ok", stream.remaining() < 0)
-        self.conn.send(msg, self._loop.time())
-        self._flush()
+            log.warning("peer %s: req %d: handler failed: %r", self._label, served.req, error)
+            failure = f"handler failed: {error!r}"
+        # END "cancelled", ERROR internal or END "ok": the connection knows which
+        if self.conn.end_request(served.req, self._loop.time(), failure) is not None:
+            self._flush()
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -495,13 +503,12 @@ class PeerConnection(asyncio.Protocol):
                 "peer" if event.by_peer else "us", event.msg)
         if not self._ready.done():
             self._ready.set_exception(HandshakeError(event.code, event.msg))
-        fetches, self._fetches = self._fetches, {}
-        for req, stream in fetches.items():
-            stream._finish(None, FetchInterrupted(event.code, "connection closed before END: "
-                                                              f"{event.msg}", req))
-        for stream in list(self._streams.values()):
-            if stream.task is not None:
-                stream.task.cancel()
+        calls, self._calls = self._calls, {}
+        for req, call in calls.items():
+            call.finish(None, FetchInterrupted(event.code, f"connection closed before END: {event.msg}", req))
+        for served in list(self._served.values()):
+            if served.task is not None:
+                served.task.cancel()
         for fut in self._pings.values():
             if not fut.done():
                 fut.set_exception(self._closed_error())
@@ -529,9 +536,9 @@ class Server:
         return self._server.sockets[0].getsockname()[1]
 
     def _new_connection(self) -> PeerConnection:
-        peer = PeerConnection("server", self.node_id, self._secret, handler=self._handler, **self._options)
+        peer = PeerConnection("server", self.node_id, self._secret, handler=self._handler,
+                              on_lost=self.connections.discard, **self._options)
         self.connections.add(peer)
-        peer._lost.add_done_callback(lambda _: self.connections.discard(peer))
         return peer
 
     def close(self) -> None:
@@ -560,7 +567,7 @@ async def serve(host: str, port: int, node_id: str, secret: bytes, handler: Hand
                 max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES) -> Server:
-    """Listen on host:port; each connection's FETCHes go to `handler(stream, fetch)`,
+    """Listen on host:port; each connection's FETCHes go to `handler(served, fetch)`,
     and `on_connect(peer)` runs once a connection is READY."""
     server = Server(node_id, secret, handler, on_connect=on_connect, caps=caps,
                     max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,

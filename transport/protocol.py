@@ -1,5 +1,6 @@
 """The peer protocol as a sans-IO state machine: bytes and the current time in, events and
-bytes to send out. No sockets, no clocks, no asyncio here (see transport/aio.py for those)."""
+bytes to send out. No sockets, no clocks, no asyncio here (see transport/aio.py for those).
+The handshake is here; the request rules are transport/requests.py, applied to both directions."""
 from __future__ import annotations
 
 import collections
@@ -7,23 +8,26 @@ import enum
 import hashlib
 import hmac
 import os
-import zlib
-from dataclasses import dataclass, field
 from typing import Callable
 
-from . import frames
+from . import frames, requests
+from .events import (AckReceived, CancelReceived, ChunkReceived, ConnectionClosed, EndReceived,
+                     ErrorReceived, Event, FetchReceived, HandshakeComplete, MessageReceived)
 from .messages import (AUTH_FAILED, BAD_CRC, BAD_MESSAGE, BAD_REQUEST, BAD_FRAME,
                        CONNECTION_LOST, FRAME_TOO_LARGE, HANDSHAKE_TIMEOUT, INTERNAL, NORMAL,
                        NOT_FOUND, NONCE_BYTES, PROTO, UNEXPECTED_MESSAGE, UNKNOWN_TYPE, VERSION,
                        Ack, Auth, Cancel, Chunk, End, Error, Fetch, Hello, Message, Ping, Pong,
                        ProtocolError, Text, check_node_id, from_wire, to_wire)
+from .requests import DEFAULT_MAX_BUFFERED_BYTES, DELIVER, RULES, ReceiveBuffer, Request, Requests
 
 __all__ = [
-    "Connection", "State", "Event", "HandshakeComplete", "MessageReceived", "ConnectionClosed",
-    "LocalProtocolError", "ProtocolError", "auth_proof", "AUTH_LABEL", "PROTO",
-    "HANDSHAKE_MAX_FRAME_BYTES", "AUTH_FAILED", "BAD_CRC", "BAD_FRAME", "BAD_MESSAGE",
-    "BAD_REQUEST", "CONNECTION_LOST", "FRAME_TOO_LARGE", "HANDSHAKE_TIMEOUT", "INTERNAL",
-    "NORMAL", "NOT_FOUND", "UNEXPECTED_MESSAGE", "UNKNOWN_TYPE", "VERSION",
+    "Connection", "State", "Event", "HandshakeComplete", "FetchReceived", "ChunkReceived",
+    "AckReceived", "EndReceived", "CancelReceived", "ErrorReceived", "MessageReceived",
+    "ConnectionClosed", "Request", "LocalProtocolError", "ProtocolError", "auth_proof",
+    "AUTH_LABEL", "PROTO", "HANDSHAKE_MAX_FRAME_BYTES", "DEFAULT_MAX_BUFFERED_BYTES",
+    "AUTH_FAILED", "BAD_CRC", "BAD_FRAME", "BAD_MESSAGE", "BAD_REQUEST", "CONNECTION_LOST",
+    "FRAME_TOO_LARGE", "HANDSHAKE_TIMEOUT", "INTERNAL", "NORMAL", "NOT_FOUND",
+    "UNEXPECTED_MESSAGE", "UNKNOWN_TYPE", "VERSION",
 ]
 
 AUTH_LABEL = b"kvstreamd-auth-v1"
@@ -42,34 +46,6 @@ class State(enum.Enum):
     CLOSED = "CLOSED"  # nothing more is received or sent
 
 
-class Event:
-    """Base of what `Connection.next_event()` returns."""
-
-
-@dataclass(frozen=True)
-class HandshakeComplete(Event):
-    """Both sides proved they hold the secret; the connection is READY."""
-
-    peer_node_id: str  # the node id from the peer's HELLO
-    peer_caps: dict  # the caps from the peer's HELLO
-
-
-@dataclass(frozen=True)
-class MessageReceived(Event):
-    """A message that passed every check for the current state."""
-
-    msg: Message  # the message (ACKs are already sent for CHUNK and TEXT)
-
-
-@dataclass(frozen=True)
-class ConnectionClosed(Event):
-    """The connection is CLOSED; always the last event."""
-
-    code: str  # an error code, NORMAL for an orderly close, CONNECTION_LOST for EOF
-    msg: str  # what happened, for people
-    by_peer: bool  # True when the peer closed (its ERROR or EOF), False when this side did
-
-
 class LocalProtocolError(ProtocolError):
     """This side tried to send something the protocol does not allow; nothing was sent."""
 
@@ -86,21 +62,13 @@ def auth_proof(secret: bytes, prover: str, client_nonce: bytes, server_nonce: by
     return hmac.new(secret, data, hashlib.sha256).digest()
 
 
-@dataclass
-class _Request:
-    """One open FETCH, as either side tracks it."""
-
-    n: int  # how many chunks (keys) it asks for
-    done: set[int] = field(default_factory=set)  # chunk indices sent (server) or received
-    cancelling: bool = False  # fetcher sent CANCEL; chunks still in flight are dropped
-
-
 class Connection:
     """One peer connection, either role. Feed it bytes with receive_data(), send with send(),
     write out data_to_send(), and drain next_event() after each call."""
 
     def __init__(self, role: str, node_id: str, secret: bytes, *,
                  max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES, caps: dict | None = None,
+                 max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
                  nonce_source: Callable[[int], bytes] = os.urandom):
         if role not in ("client", "server"):
             raise ValueError(f"role must be 'client' or 'server', got {role!r}")
@@ -115,15 +83,14 @@ class Connection:
         self.peer_caps: dict | None = None
         self.rtt: float | None = None  # seconds, from the latest PONG to our PING
         self.last_activity: float | None = None  # `now` of the latest receive_data() or send()
-        self.fetching: dict[int, _Request] = {}  # our open FETCHes, by req
-        self.serving: dict[int, _Request] = {}  # the peer's open FETCHes, by req
+        self._fetching = Requests(mine=True)  # the FETCHes this side makes (it is their fetcher)
+        self._serving = Requests(mine=False)  # the peer's FETCHes (this side is their sender)
+        self._buffer = ReceiveBuffer(max_buffered_bytes)
         self._secret = secret
         self._nonce = nonce_source(NONCE_BYTES)
         if len(self._nonce) != NONCE_BYTES:
             raise ValueError(f"nonce_source must return {NONCE_BYTES} bytes")
         self._peer_nonce = b""
-        self._last_req_sent = -1
-        self._last_req_received = -1
         self._decoder = frames.FrameDecoder(min(HANDSHAKE_MAX_FRAME_BYTES, max_frame_bytes))
         self._out: list[bytes | memoryview] = []
         self._events: collections.deque[Event] = collections.deque()
@@ -163,9 +130,48 @@ class Connection:
         if self.state is not State.READY:
             raise LocalProtocolError(UNEXPECTED_MESSAGE,
                                      f"cannot send {msg.TYPE} in state {self.state.value}")
-        self._check_send(msg)
+        self._check_send(msg, now)
         self.last_activity = now
         return self._queue(msg)
+
+    @property
+    def fetching(self) -> dict[int, Request]:
+        """This side's open FETCHes, by req (this side is their fetcher)."""
+        return self._fetching.open
+
+    @property
+    def serving(self) -> dict[int, Request]:
+        """The peer's open FETCHes, by req (this side is their sender)."""
+        return self._serving.open
+
+    def end_request(self, req: int, now: float, failure: str | None = None) -> End | Error | None:
+        """This side has stopped sending the peer's FETCH `req` (`failure`: why it failed, or
+        None). Sends what ends it, and returns that: END "cancelled" after the fetcher's CANCEL,
+        ERROR internal if it failed or sent fewer than every chunk, END "ok" otherwise, each
+        END with deadline_missed if `now` is past the deadline. Returns None, sending nothing,
+        when the request is already over or the connection is not READY."""
+        r = self._serving.open.get(req)
+        if r is None or self.state is not State.READY:
+            return None
+        msg = requests.ending(r, now, failure)
+        self.send(msg, now)
+        return msg
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of received chunks that the application has not taken() yet."""
+        return self._buffer.total
+
+    @property
+    def reading_paused(self) -> bool:
+        """True while buffered_bytes went over max_buffered_bytes and has not yet fallen to
+        half of it: stop reading, so TCP pushes back on the sender."""
+        return self._buffer.paused
+
+    def taken(self, msg: Chunk | Text) -> None:
+        """The application has taken this received chunk: it no longer counts as buffered. A
+        no-op for a fetch that failed or was cancelled (its chunks were released then)."""
+        self._buffer.take(msg)
 
     def ping(self, now: float) -> int:
         """Send a PING stamped with `now`; the PONG sets `rtt`."""
@@ -173,7 +179,7 @@ class Connection:
 
     def next_request_id(self) -> int:
         """The req to use for our next FETCH."""
-        return self._last_req_sent + 1
+        return self._fetching.last_req + 1
 
     def close(self, code: str = NORMAL, msg: str = "") -> None:
         """Queue an ERROR telling the peer why, and go CLOSED. A no-op once CLOSED."""
@@ -248,57 +254,10 @@ class Connection:
         if isinstance(msg, (Hello, Auth)):
             self._fail(UNEXPECTED_MESSAGE, f"{msg.TYPE} received after the handshake finished")
             return
-        if isinstance(msg, Fetch):
-            if msg.req <= self._last_req_received:
-                self._fail(BAD_REQUEST, f"FETCH req {msg.req} is not above the previous FETCH "
-                                        f"req {self._last_req_received}")
-                return
-            self._last_req_received = msg.req
-            self.serving[msg.req] = _Request(len(msg.keys))
-        elif isinstance(msg, (Ack, Cancel)):
-            if msg.req > self._last_req_received:
-                self._fail(BAD_REQUEST, f"{msg.TYPE} for req {msg.req}, which was never "
-                                        "fetched")
-                return
-            r = self.serving.get(msg.req)
-            if r is None:
-                # we ended it and the peer sent this before seeing our END: a late CANCEL
-                # means nothing, but ACKs of the last chunks still time their delivery
-                if isinstance(msg, Cancel):
-                    return
-            elif isinstance(msg, Ack) and msg.i not in r.done:
-                self._fail(BAD_REQUEST, f"ACK for chunk {msg.i} of req {msg.req}, which was not "
-                                        "sent")
-                return
-        elif isinstance(msg, (Chunk, Text)):
-            r = self._own_request(msg)
-            if r is None or r.cancelling:
-                return  # a protocol violation (already handled), or in flight when we cancelled
-            if msg.i >= r.n:
-                self._fail(BAD_REQUEST, f"{msg.TYPE} i={msg.i} is out of range: req {msg.req} "
-                                        f"asked for {r.n} chunks")
-                return
-            if msg.i in r.done:
-                self._fail(BAD_REQUEST, f"{msg.TYPE} i={msg.i} of req {msg.req} arrived "
-                                        "twice")
-                return
-            if isinstance(msg, Chunk) and zlib.crc32(msg.payload) != msg.crc:
-                self._fail(BAD_CRC, f"CHUNK req={msg.req} i={msg.i}: crc32 of the "
-                                    f"{len(msg.payload)}-byte payload is not {msg.crc}")
-                return
-            r.done.add(msg.i)
-            # ACK on receipt, so the sender times delivery rather than its own socket buffer
-            self._queue(Ack(msg.req, msg.i, size))
-        elif isinstance(msg, End) or (isinstance(msg, Error) and msg.req is not None):
-            r = self._own_request(msg)
-            if r is None:
-                return
-            if isinstance(msg, End) and msg.status == "ok" and not r.cancelling and len(r.done) < r.n:
-                self._fail(BAD_REQUEST, f"END ok for req {msg.req} after only {len(r.done)} of "
-                                        f"{r.n} chunks")
-                return
-            del self.fetching[msg.req]
-        elif isinstance(msg, Error):
+        if type(msg) in RULES and not (isinstance(msg, Error) and msg.req is None):
+            self._receive_request_message(msg, size, now)
+            return
+        if isinstance(msg, Error):
             if msg.code != UNKNOWN_TYPE:
                 self._closed(msg.code, msg.msg, True)
                 return
@@ -308,49 +267,59 @@ class Connection:
             self.rtt = now - msg.time
         self._events.append(MessageReceived(msg))
 
-    def _own_request(self, msg: Chunk | Text | End | Error) -> _Request | None:
-        r = self.fetching.get(msg.req)
-        if r is None:
-            self._fail(BAD_REQUEST, f"{msg.TYPE} for req {msg.req}, which is not an open FETCH "
-                                    "of this side")
-        return r
+    def _receive_request_message(self, msg: Message, size: int, now: float) -> None:
+        try:
+            verdict = requests.apply(msg, self._direction(msg, False), False, now)
+        except ProtocolError as e:
+            self._fail(e.code, e.msg)
+            return
+        if verdict != DELIVER:
+            return
+        if isinstance(msg, (Chunk, Text)):
+            self._buffer.hold(msg)
+            # ACK on receipt, so the sender times delivery rather than its own socket buffer
+            ack = Ack(msg.req, msg.i, size)
+            requests.apply(ack, self._fetching, True, now)
+            self._queue(ack)
+            event: Event = ChunkReceived(msg, size)
+        elif isinstance(msg, End):
+            if msg.status != "ok":
+                self._buffer.release(msg.req)  # a failed fetch drops what it buffered
+            event = EndReceived(msg)
+        elif isinstance(msg, Error):
+            self._buffer.release(msg.req)
+            event = ErrorReceived(msg)
+        elif isinstance(msg, Fetch):
+            event = FetchReceived(msg)
+        elif isinstance(msg, Ack):
+            event = AckReceived(msg)
+        else:
+            event = CancelReceived(msg)
+        self._events.append(event)
+
+    def _direction(self, msg: Message, outgoing: bool) -> Requests:
+        return requests.requests_for(msg, outgoing, self._fetching, self._serving)
 
     # -- sending ---------------------------------------------------------------------------
 
-    def _check_send(self, msg: Message) -> None:
-        def refuse(code: str, why: str) -> None:
-            raise LocalProtocolError(code, f"cannot send {msg.TYPE}: {why}")
-
+    def _check_send(self, msg: Message, now: float) -> None:
         if isinstance(msg, (Hello, Auth)):
-            refuse(UNEXPECTED_MESSAGE, "the handshake is run by the connection itself")
-        elif isinstance(msg, Ack):
-            refuse(UNEXPECTED_MESSAGE, "ACKs are sent by the connection as chunks arrive")
-        elif isinstance(msg, Fetch):
-            if msg.req <= self._last_req_sent:
-                refuse(BAD_REQUEST, f"req {msg.req} is not above the previous FETCH req "
-                                    f"{self._last_req_sent}; use next_request_id()")
-            self._last_req_sent = msg.req
-            self.fetching[msg.req] = _Request(len(msg.keys))
-        elif isinstance(msg, Cancel):
-            if msg.req not in self.fetching:
-                refuse(BAD_REQUEST, f"req {msg.req} is not an open FETCH of this side")
-            self.fetching[msg.req].cancelling = True
-        elif isinstance(msg, (Chunk, Text, End)) or (isinstance(msg, Error) and msg.req is not None):
-            r = self.serving.get(msg.req)
-            if r is None:
-                refuse(BAD_REQUEST, f"req {msg.req} is not an open FETCH of the peer")
-            if isinstance(msg, (Chunk, Text)):
-                if msg.i >= r.n or msg.i in r.done:
-                    refuse(BAD_REQUEST, f"chunk {msg.i} of req {msg.req} is out of range "
-                                        f"(0..{r.n - 1}) or already sent")
-                r.done.add(msg.i)
-            else:
-                if isinstance(msg, End) and msg.status == "ok" and len(r.done) < r.n:
-                    refuse(BAD_REQUEST, f"status ok for req {msg.req} after only {len(r.done)} "
-                                        f"of {r.n} chunks")
-                del self.serving[msg.req]
-        elif isinstance(msg, Error):
-            refuse(UNEXPECTED_MESSAGE, "a connection-level ERROR closes the connection; use close()")
+            raise LocalProtocolError(UNEXPECTED_MESSAGE, f"cannot send {msg.TYPE}: the handshake "
+                                                         "is run by the connection itself")
+        if isinstance(msg, Ack):
+            raise LocalProtocolError(UNEXPECTED_MESSAGE, "cannot send ACK: ACKs are sent by the "
+                                                         "connection as chunks arrive")
+        if isinstance(msg, Error) and msg.req is None:
+            raise LocalProtocolError(UNEXPECTED_MESSAGE, "cannot send ERROR: a connection-level "
+                                                         "ERROR closes the connection; use close()")
+        if type(msg) not in RULES:
+            return
+        try:
+            requests.apply(msg, self._direction(msg, True), True, now)
+        except ProtocolError as e:
+            raise LocalProtocolError(e.code, f"cannot send {msg.TYPE}: {e.msg}") from None
+        if isinstance(msg, Cancel):
+            self._buffer.release(msg.req)  # the application gets no more of this fetch
 
     def _queue(self, msg: Message) -> int:
         parts, size = frames.encode_parts(to_wire(msg))
@@ -372,4 +341,5 @@ class Connection:
 
     def _closed(self, code: str, msg: str, by_peer: bool) -> None:
         self.state = State.CLOSED
+        self._buffer.release_all()  # every fetch still open has failed
         self._events.append(ConnectionClosed(code, msg, by_peer))
