@@ -210,11 +210,11 @@ def _parse(read: Callable[[int], bytes], file_size: int, expect_key: bytes | Non
                                             f"{LEGACY_VERSION} was written with it)")
     else:
         raise ChunkFileError("magic", f"{magic!r} is not {MAGIC!r} (nor the legacy {LEGACY_MAGIC!r})")
-    head_crc = version >= 2
-    tail = (_U32.size if head_crc else 0) + _U32.size
-    if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen + tail > file_size:
-        raise ChunkFileError("header length", f"{hlen} bytes does not fit a file of {file_size} bytes"
-                             if hlen <= MAX_HEADER_BYTES else f"{hlen} bytes is over {MAX_HEADER_BYTES}")
+    head_crc = version == VERSION
+    if hlen > MAX_HEADER_BYTES:
+        raise ChunkFileError("header length", f"{hlen} bytes is over the limit of {MAX_HEADER_BYTES}")
+    if _PREFIX.size + hlen + (_U32.size if head_crc else 0) + _U32.size > file_size:
+        raise ChunkFileError("header length", f"{hlen} bytes does not fit a file of {file_size} bytes")
     raw = read(hlen)
     if len(raw) != hlen:
         raise ChunkFileError("header length", f"{hlen} bytes, but the file ended after {len(raw)} of them")
@@ -235,11 +235,11 @@ def _parse(read: Callable[[int], bytes], file_size: int, expect_key: bytes | Non
         raise ChunkFileError("header", f"not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(h, dict):
         raise ChunkFileError("header", f"a msgpack {type(h).__name__}, not a map")
-    missing = [f for f in HEADER_FIELDS if f not in h]
-    extra = sorted(map(repr, set(h) - set(HEADER_FIELDS)))
+    missing = ", ".join(repr(f) for f in HEADER_FIELDS if f not in h)
+    extra = ", ".join(sorted(repr(f) for f in set(h) - set(HEADER_FIELDS)))
     if missing or extra:
-        raise ChunkFileError("header", (f"missing fields {missing}" if missing else "")
-                             + ("; " if missing and extra else "") + (f"unknown fields {extra}" if extra else ""))
+        raise ChunkFileError("header", "; ".join(([f"missing fields {missing}"] if missing else [])
+                                                 + ([f"unknown fields {extra}"] if extra else [])))
     hdr = _check_fields(h, version, body)
     if expect_key is not None and hdr.key != expect_key:
         raise ChunkFileError("key", f"the header's key {hdr.key.hex()[:16]} is not the file's, "
