@@ -190,7 +190,8 @@ def _fetch(args: argparse.Namespace) -> int:
         for ev in f:
             print(f"  chunk {ev.i:3d} tokens {ev.start:6d}-{ev.end:<6d} {ev.kind:4} {ev.level:9} from {ev.source:12} "
                   f"at {ev.t_ms:8.1f} ms" + (f"  ({ev.error})" if ev.error else ""))
-        _print(f.end)
+        from .events import to_json
+        _print(to_json(f.end))
     return 0
 
 

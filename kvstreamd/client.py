@@ -7,22 +7,23 @@ prompt's longest cached prefix chunk by chunk, and map the fetched KV zero-copy.
     with c.fetch(model_id, prompt, deadline_ms=2000) as f:
         for ev in f:                                # one event per chunk, as it lands
             ...                                     # ev.kind == "kv": f.kv[:, :, ev.start:ev.end] is ready
-        kv = f.kv[:, :, :f.end["kv_tokens"]]        # text ranges (f.text_ranges) are the model's to recompute
+        kv = f.kv[:, :, :f.end.kv_tokens]           # text ranges (f.text_ranges) are the model's to recompute
     # leaving the block releases the buffer; clone what must outlive it
 
 `AsyncClient` has the same methods as coroutines (fetch is an async iterator)."""
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import torch
 
+from . import events
 from .shm import Attached, Segment
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -41,18 +42,7 @@ def default_socket() -> Path:
     return Path(os.environ.get("KVSTREAMD_SOCKET") or ds(os.environ))
 
 
-@dataclass(frozen=True)
-class ChunkEvent:
-    i: int
-    start: int  # token positions [start, end) of the prompt
-    end: int
-    kind: str  # "kv": decoded into the buffer; "text": the model must recompute these tokens
-    level: str
-    source: str  # "local", the peer's node id, or "fallback"
-    t_ms: float  # since the fetch began: when the chunk was ready in the buffer
-    bytes: int = 0  # the chunk's encoded size (its wire bytes when it came from a peer)
-    arrived_ms: float | None = None  # since the fetch began: when the receive stage had it
-    error: str | None = None
+ChunkEvent = events.Chunk  # what iterating a fetch yields
 
 
 def _raise_for(status: int, body: bytes) -> None:
@@ -67,31 +57,31 @@ class _FetchState:
     """Shared by the sync and async fetch: the events, the buffer, its release."""
 
     def __init__(self) -> None:
-        self.start: dict | None = None
-        self.end: dict | None = None
+        self.start: events.Start | None = None
+        self.end: events.End | None = None
         self.events: list[ChunkEvent] = []
         self._att: Attached | None = None
 
-    def _on(self, ev: dict) -> ChunkEvent | None:
-        kind = ev.get("event")
-        if kind == "start":
+    def _on(self, obj: dict) -> ChunkEvent | None:
+        try:
+            ev = events.from_json(obj)
+        except ValueError as e:
+            raise ClientError("protocol", str(e)) from None
+        if isinstance(ev, events.Start):
             self.start = ev
-            if ev["buffer"] and ev.get("cuda_ipc"):  # decoded on the daemon's GPU: map its memory
+            if ev.buffer and ev.cuda_ipc:  # decoded on the daemon's GPU: map its memory
                 from .cuda_ipc import CudaAttached
-                self._att = CudaAttached.open(ev["cuda_ipc"], tuple(ev["shape"]), ev["dtype"],
-                                              torch.device(ev["device"]).index or 0)
-            elif ev["buffer"]:
-                self._att = Attached.open(ev["buffer"], tuple(ev["shape"]), ev["dtype"])
+                self._att = CudaAttached.open(ev.cuda_ipc, tuple(ev.shape), ev.dtype, torch.device(ev.device).index or 0)
+            elif ev.buffer:
+                self._att = Attached.open(ev.buffer, tuple(ev.shape), ev.dtype)
             return None
-        if kind == "end":
+        if isinstance(ev, events.End):
             self.end = ev
             return None
-        if kind == "error":
-            raise ClientError(ev.get("code", "fetch_failed"), ev.get("message", "fetch failed"))
-        ce = ChunkEvent(ev["i"], ev["start"], ev["end"], ev["kind"], ev["level"], ev["source"], ev["t_ms"],
-                        ev.get("bytes", 0), ev.get("arrived_ms"), ev.get("error"))
-        self.events.append(ce)
-        return ce
+        if isinstance(ev, events.Failed):
+            raise ClientError(ev.code, ev.message)
+        self.events.append(ev)
+        return ev
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -103,11 +93,11 @@ class _FetchState:
     @property
     def device(self) -> str:
         """Where kv lives: "cpu", or the daemon's GPU ("cuda:0") when it decoded there."""
-        return self.start.get("device", "cpu") if self.start else "cpu"
+        return self.start.device if self.start else "cpu"
 
     @property
     def found_tokens(self) -> int:
-        return self.start["found_tokens"] if self.start else 0
+        return self.start.found_tokens if self.start else 0
 
     @property
     def text_ranges(self) -> list[tuple[int, int]]:
@@ -116,7 +106,7 @@ class _FetchState:
     def _detach(self) -> str | None:
         if self._att is None:
             return None
-        name = self.start["buffer"]
+        name = self.start.buffer
         self._att.release()  # ShmError if the caller still holds views of kv
         self._att = None
         return name
@@ -149,7 +139,7 @@ class Fetch(_FetchState):
         if self.end is None:
             raise ClientError("fetch_interrupted", "the daemon closed the fetch before its end event")
 
-    def wait(self) -> dict:
+    def wait(self) -> events.End:
         """Consume every event; returns the end event."""
         for _ in self:
             pass
@@ -247,7 +237,7 @@ class Client:
         `levels`: accept only these (one level alone: every chunk at exactly that level).
         `recompute_tokens_per_s`: how fast this model prefills, so senders can price TEXT chunks.
         `device="cuda"`: decode on the daemon's GPU into device memory mapped here by CUDA IPC;
-        a daemon without one says why in `start["gpu_unavailable"]` and uses shared memory."""
+        a daemon without one says why in `start.gpu_unavailable` and uses shared memory."""
         conn, resp = self._request("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
                                                                  recompute_tokens_per_s, device))
         if resp.status >= 400:
@@ -283,17 +273,14 @@ def _share_with_daemon(name: str) -> None:
 
 
 def _fetch_body(model_id, tokens, deadline_ms, dtype, levels=None, recompute_tps=None, device="cpu") -> dict:
-    body = {"model_id": model_id, "tokens": list(map(int, tokens)),
-            "dtype": DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype) else dtype}
-    if device != "cpu":
-        body["device"] = device
-    if deadline_ms is not None:
-        body["deadline_ms"] = int(deadline_ms)
-    if levels is not None:
-        body["levels"] = list(levels)
-    if recompute_tps is not None:
-        body["recompute_tokens_per_s"] = float(recompute_tps)
-    return body
+    """The POST /v1/fetch body of an events.FetchRequest: its set fields."""
+    req = events.FetchRequest(model_id, list(map(int, tokens)), DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype)
+                              else dtype, None if deadline_ms is None else int(deadline_ms),
+                              None if levels is None else list(levels),
+                              None if recompute_tps is None else float(recompute_tps), device)
+    defaults = events.FetchRequest(model_id, [])
+    return {f.name: getattr(req, f.name) for f in dataclasses.fields(req)
+            if f.name in ("model_id", "tokens", "dtype") or getattr(req, f.name) != getattr(defaults, f.name)}
 
 
 class AsyncFetch(_FetchState):
@@ -325,7 +312,7 @@ class AsyncFetch(_FetchState):
         if self.end is None:
             raise ClientError("fetch_interrupted", "the daemon closed the fetch before its end event")
 
-    async def wait(self) -> dict:
+    async def wait(self) -> events.End:
         async for _ in self:
             pass
         return self.end

@@ -17,14 +17,8 @@ import secrets
 
 import torch
 
+from .buffers import nbytes_of
 from .shm import DTYPES
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _as_torch(ptr: int, nbytes: int, owner, device: int, shape, dtype: str) -> torch.Tensor:
@@ -38,8 +32,7 @@ def _as_torch(ptr: int, nbytes: int, owner, device: int, shape, dtype: str) -> t
 
 
 class CudaBuffer:
-    """A fetch's buffer on the daemon's GPU. Same surface as shm.Segment where the daemon
-    uses it: name, tensor(), unlink(), close()."""
+    """A fetch's buffer on the daemon's GPU: a buffers.FetchBuffer."""
 
     def __init__(self, nbytes: int, device: int):
         import cupy
@@ -53,7 +46,7 @@ class CudaBuffer:
 
     @classmethod
     def create(cls, shape, dtype: str, device: int) -> "CudaBuffer":
-        return cls(_numel(shape) * DTYPES[dtype].itemsize, device)
+        return cls(nbytes_of(shape, dtype), device)
 
     def tensor(self, shape, dtype: str) -> torch.Tensor:
         return _as_torch(self.ptr, self.nbytes, self, self.device, shape, dtype)
@@ -65,10 +58,12 @@ class CudaBuffer:
         with cupy.cuda.Device(self.device):
             return bytes(cupy.cuda.runtime.ipcGetMemHandle(self.ptr)).hex()
 
-    def unlink(self) -> None:
-        """(Nothing to unlink: the memory goes with close.)"""
+    def placement(self) -> dict:
+        return {"device": f"cuda:{self.device}", "cuda_ipc": self.handle()}
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Free the allocation (a model process that opened its handle keeps its mapping
+        until it closes it: CUDA frees the memory when the last user lets go)."""
         if self._closed:
             return
         import cupy
@@ -89,7 +84,7 @@ class CudaAttached:
     def open(cls, handle_hex: str, shape, dtype: str, device: int) -> "CudaAttached":
         import cupy
 
-        nbytes = _numel(shape) * DTYPES[dtype].itemsize
+        nbytes = nbytes_of(shape, dtype)
         with cupy.cuda.Device(device):
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(handle_hex),
                                                      cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)

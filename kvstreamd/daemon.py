@@ -1,6 +1,6 @@
-"""The daemon: wires the store, the peer manager, the codec pool, the fetch pipeline and the
-local API together, and owns the life cycle (start-up, SIGHUP reload, SIGTERM shutdown, and
-systemd's READY/STOPPING notifications)."""
+"""The daemon: builds the store, the peer manager, the codec pool and the node (node.py: the work
+local clients ask for), serves the local API, and owns the life cycle (start-up, SIGHUP reload,
+SIGTERM shutdown, and systemd's READY/STOPPING notifications)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +13,7 @@ import signal
 import socket
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import torch
 from aiohttp import web
@@ -26,15 +24,12 @@ from . import __version__, sdnotify
 from . import config as config_mod
 from .api import make_app
 from .coder import Coder
-from .cuda_ipc import CudaBuffer
 from .config import Config, ConfigError
 from .directory import Directory
 from .metrics import Metrics, set_level, setup_logging
+from .node import Node
 from .peers import PeerManager
-from .pipeline import FetchJob, allocate, plan
-from .shm import Segment, sweep_stale
-from .chunkfile import ChunkRecord
-from .keys import chunk_keys
+from .shm import sweep_stale
 from .store import Store
 
 log = logging.getLogger("kvstreamd.daemon")
@@ -61,12 +56,6 @@ def resolve_device(setting: str) -> tuple[torch.device | None, str]:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device()), ""
 
 
-@dataclass
-class _Buffer:
-    segment: Segment
-    expires: float  # time.monotonic()
-
-
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -75,15 +64,9 @@ class Daemon:
         self.directory = Directory()
         self.store: Store | None = None
         self.coder: Coder | None = None
-        self.gpu: torch.device | None = None  # where fetches that ask for device "cuda" decode
-        self.gpu_why = ""  # why not, when gpu is None
-        self._stages: dict[bytes, object] = {}  # codec.gpu.StreamStages per profile id
         self.peers: PeerManager | None = None
+        self.node: Node | None = None  # once the parts it works with are up
         self.stopping = False
-        self.started = time.time()
-        self.buffers: dict[str, _Buffer] = {}
-        self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)
-        self._active: set[asyncio.Task] = set()
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task | None = None
         self._stop = asyncio.Event()
@@ -92,7 +75,7 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
-        self.gpu, self.gpu_why = resolve_device(cfg.codec.device)
+        gpu, gpu_why = resolve_device(cfg.codec.device)
         swept = sweep_stale() + sweep_stale(CODEC_SEG_PREFIX)  # fetch buffers; the codec pool's segments
         if swept:
             log.info("removed %d shared-memory segments left by dead processes", len(swept))
@@ -109,8 +92,7 @@ class Daemon:
             log.warning("store: skipped corrupt file %s: %s", path, why)
             self.metrics.error("store_corrupt")
         self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, cfg.codec.levels)
-        log.info("fetched chunks decode on %s", f"{self.gpu} (CUDA streams, IPC hand-off)" if self.gpu
-                 else f"the CPU ({self.gpu_why})")
+        log.info("fetched chunks decode on %s", f"{gpu} (CUDA streams, IPC hand-off)" if gpu else f"the CPU ({gpu_why})")
         secret = cfg.secret()
         if secret is None:
             log.warning("no [peer] secret configured: using a random one, so no peer can join this node")
@@ -123,6 +105,7 @@ class Daemon:
             await self.peers.start()
         except OSError as e:
             raise StartupError(f"[peer] listen {cfg.peer.listen[0]}:{cfg.peer.listen[1]}: {e.strerror or e}") from None
+        self.node = Node(cfg, self.store, self.directory, self.coder, self.peers, self.metrics, gpu, gpu_why)
         await self._start_api()
         self._reaper = asyncio.ensure_future(self._reap_buffers())
         log.info("kvstreamd %s node %s: peers on %s:%d, API on %s", __version__, self.node_id, cfg.peer.listen[0],
@@ -142,7 +125,7 @@ class Daemon:
                     path.unlink()  # left by a daemon that died
                 else:
                     raise StartupError(f"[api] socket {path}: another daemon is listening there")
-        self._runner = web.AppRunner(make_app(self), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(make_app(self.node), access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.UnixSite(self._runner, str(path))
         try:
@@ -157,20 +140,20 @@ class Daemon:
             return
         self.stopping = True
         sdnotify.stopping()
-        log.info("stopping: %d fetches in flight are cancelled", len(self._active))
+        if self.node is not None:
+            self.node.stopping = True  # new fetches are refused from here on
         if self.peers is not None:
             await self.peers.stop()
-        for t in list(self._active):
-            t.cancel()
-        await asyncio.gather(*self._active, return_exceptions=True)
+        if self.node is not None:
+            await self.node.cancel_fetches()
         if self._runner is not None:
             await self._runner.cleanup()
             with contextlib.suppress(FileNotFoundError):
                 Path(self.cfg.api.socket).unlink()
         if self._reaper is not None:
             self._reaper.cancel()
-        for name in list(self.buffers):
-            self.release_buffer(name)
+        if self.node is not None:
+            self.node.release_all()
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
         if self.coder is not None:
@@ -209,186 +192,17 @@ class Daemon:
         self.peers.set_peers(self.cfg.peer.peers)
         self.peers.recompute_tokens_per_s = self.cfg.stream.recompute_tokens_per_s
         await asyncio.to_thread(self.store.set_budgets, self.cfg.store.memory_budget, self.cfg.store.disk_budget)
+        self.node.cfg = self.cfg
         if self.cfg.api.max_fetches != old.api.max_fetches:
-            self._fetch_slots = asyncio.Semaphore(self.cfg.api.max_fetches)
+            self.node.set_max_fetches(self.cfg.api.max_fetches)
         set_level(self.cfg.node.log_level)
         log.info("reloaded %s: %s", self.cfg.source, ", ".join(changed) or "nothing changed")
         sdnotify.ready("serving")
 
-    # -- the work --------------------------------------------------------------------------
-
-    async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, prof) -> tuple[int, int]:
-        """Chunk, encode every level (in the codec pool), store, advertise. Chunks already held
-        are skipped before any encoding. Returns (chunks stored, chunks already held)."""
-        ct = self.cfg.codec.chunk_tokens
-        keys = chunk_keys(model_id, tokens, ct)
-        dtype = str(kv.dtype).removeprefix("torch.")
-        stored = held = 0
-        t0 = time.perf_counter()
-        for i, key in enumerate(keys):
-            if self.store.has(key):
-                held += 1
-                self.metrics.puts.labels("already_held").inc()
-                continue
-            s, e = i * ct, min((i + 1) * ct, len(tokens))
-            chunk = kv[:, :, s:e].contiguous()
-            payloads = {}
-            for level in self.cfg.codec.levels:
-                payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
-                self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
-            rec = ChunkRecord(key, keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]), dtype,
-                              tuple(chunk.shape), payloads, time.time())
-            del chunk
-            if await asyncio.to_thread(self.store.put, rec):
-                stored += 1
-                self.metrics.puts.labels("stored").inc()
-            else:
-                held += 1
-        self.metrics.encode_seconds.observe(time.perf_counter() - t0)
-        log.info("put %s: %d tokens, %d chunks stored, %d already held, %.2f s", model_id, len(tokens), stored,
-                 held, time.perf_counter() - t0)
-        return stored, held
-
-    async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int, dtype: str, prof,
-                    emit: Callable[[dict], Awaitable[None]], levels: list[str] | None = None,
-                    recompute_tps: float | None = None, device: str = "cpu") -> None:
-        task = asyncio.current_task()
-        self._active.add(task)
-        try:
-            async with self._fetch_slots:
-                await self._fetch(model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps, device)
-        finally:
-            self._active.discard(task)
-
-    async def _fetch(self, model_id, tokens, deadline_ms, dtype, prof, emit, levels, recompute_tps, device) -> None:
-        self.metrics.fetches_active.inc()
-        t0 = time.monotonic()
-        p = plan(self.store, self.directory, model_id, tokens, self.cfg.codec.chunk_tokens)
-        shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
-        on_gpu = device == "cuda" and self.gpu is not None
-        place = {"device": str(self.gpu) if on_gpu else "cpu"}
-        if on_gpu:
-            seg = await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index) if p.found else None
-        else:
-            seg = allocate(shape, dtype) if p.found else None
-            if device == "cuda":  # asked for, not there: the CPU path, and the reason
-                place["gpu_unavailable"] = self.gpu_why
-        if seg is not None:  # held from here, so that any failure below releases it
-            self.buffers[seg.name] = _Buffer(seg, time.monotonic() + self.cfg.api.buffer_lease_s)
-        buffer = None
-        ok = False
-        try:
-            if seg is not None:
-                buffer = seg.tensor(shape, dtype)
-                if on_gpu:
-                    place["cuda_ipc"] = seg.handle()
-            await emit({"event": "start", "buffer": seg.name if seg else None, "shape": list(shape), "dtype": dtype,
-                        **place, "prompt_tokens": len(tokens), "found_tokens": p.found_tokens,
-                        "chunk_tokens": self.cfg.codec.chunk_tokens,
-                        "local_tokens": p.bounds[p.local - 1][1] if p.local else 0,
-                        "lease_s": self.cfg.api.buffer_lease_s})
-            job = FetchJob(p, model_id, tokens, deadline_ms, buffer, self.store, self.peers, self.coder, self.metrics,
-                           list(levels or self.cfg.codec.levels))
-            job.recompute_tps = recompute_tps or self.cfg.stream.recompute_tokens_per_s
-            if on_gpu and p.found:
-                job.stages = await asyncio.to_thread(self._stages_for, prof)
-            try:
-                res = await job.run(emit)
-            except asyncio.CancelledError:
-                if self.stopping:  # tell the client why, if it can still hear it
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(emit({"event": "error", "code": "stopping",
-                                                     "message": "the daemon is shutting down"}), 1.0)
-                raise
-            job.buffer = None
-            total = time.monotonic() - t0
-            text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
-            text_tokens = sum(e - s for s, e in text_ranges)
-            kv_tokens = p.found_tokens - text_tokens
-            self._account(p, tokens, kv_tokens, text_tokens, total, res)
-            await emit({"event": "end", "found_tokens": p.found_tokens, "kv_tokens": kv_tokens,
-                        "text_tokens": text_tokens, "text_ranges": text_ranges, "prefill_from": p.found_tokens,
-                        "prefill_tokens": len(tokens) - p.found_tokens, "levels": res.levels, "bytes": res.bytes,
-                        "deadline_missed": res.deadline_missed, "errors": res.errors,
-                        "timings": {"total_s": round(total, 4),
-                                    **{f"{k}_s": round(v, 4) for k, v in res.stage_s.items()}}})
-            ok = True
-        finally:
-            del buffer
-            self.metrics.fetches_active.dec()
-            if not ok and seg is not None:
-                self.release_buffer(seg.name)  # nobody will attach to a failed fetch's buffer
-
-    def _account(self, p, tokens, kv_tokens, text_tokens, total, res) -> None:
-        m = self.metrics
-        m.fetch_seconds.observe(total)
-        if total > 0:
-            m.decode_share.observe(min(res.stage_s["decode"] / total, 1.0))
-        for stage, s in res.stage_s.items():
-            m.stage_seconds.labels(stage).observe(s)
-        local_tokens = p.bounds[p.local - 1][1] if p.local else 0
-        m.prompt_tokens.labels("local").inc(local_tokens)
-        m.prompt_tokens.labels("peer").inc(max(kv_tokens - local_tokens, 0))
-        m.prompt_tokens.labels("text").inc(text_tokens)
-        m.prompt_tokens.labels("prefill").inc(len(tokens) - p.found_tokens)
-        m.lookups.labels("hit" if p.found >= len(p.keys) - 1 and p.found else "partial" if p.found else "miss").inc()
-
-    def _stages_for(self, prof):
-        """The GPU pipeline's streams and decoder tables for a profile, built once."""
-        from codec.gpu import StreamStages
-        st = self._stages.get(prof.id)
-        if st is None:
-            st = self._stages[prof.id] = StreamStages(prof, self.gpu)
-        return st
-
-    # -- buffers -----------------------------------------------------------------------------
-
-    def release_buffer(self, name: str) -> bool:
-        b = self.buffers.pop(name, None)
-        if b is None:
-            return False
-        b.segment.unlink()
-        try:
-            b.segment.close()
-        except Exception as e:  # a view still alive in this process: leave the mapping to GC
-            log.warning("buffer %s: %s", name, e)
-        return True
-
     async def _reap_buffers(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for name, b in list(self.buffers.items()):
-                if b.expires < now:
-                    log.info("buffer %s: lease expired unreleased; unlinked", name)
-                    self.metrics.error("buffer_lease_expired")
-                    self.release_buffer(name)
-
-    # -- reporting ---------------------------------------------------------------------------
-
-    def refresh_gauges(self) -> None:
-        u = self.store.usage()
-        m = self.metrics
-        m.store_bytes.labels("memory").set(u.memory_bytes)
-        m.store_bytes.labels("disk").set(u.disk_bytes)
-        m.store_budget.labels("memory").set(u.memory_budget)
-        m.store_budget.labels("disk").set(u.disk_budget)
-        m.store_chunks.set(u.chunks)
-        m.store_evictions.set(u.evictions)
-        m.buffers_held.set(len(self.buffers))
-        m.buffer_bytes.set(sum(b.segment.size for b in self.buffers.values()))
-
-    def status(self) -> dict:
-        u = self.store.usage()
-        return {"node_id": self.node_id, "version": __version__, "pid": os.getpid(),
-                "uptime_s": round(time.time() - self.started, 1), "config": str(self.cfg.source) if self.cfg.source else None,
-                "api_socket": str(self.cfg.api.socket), "peer_port": self.peers.port,
-                "peers_connected": self.peers.connected(), "fetches_active": len(self._active),
-                "buffers_held": len(self.buffers), "decode_mbps": round(self.coder.decode_mbps, 1),
-                "levels": list(self.cfg.codec.levels), "chunk_tokens": self.cfg.codec.chunk_tokens,
-                "store": {k: getattr(u, k) for k in ("chunks", "memory_bytes", "memory_budget", "disk_bytes",
-                                                      "disk_budget", "memory_chunks", "disk_chunks", "pinned",
-                                                      "evictions", "disk_errors")}}
+            self.node.expire_buffers(time.monotonic())
 
 
 def _keep_restart_keys(old: Config, new: Config) -> Config:

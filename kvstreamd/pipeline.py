@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -20,11 +19,11 @@ from codec.errors import CodecError
 from transport import aio
 from transport.policy import TEXT
 
+from . import events
 from .coder import Coder
 from .directory import Directory
 from .metrics import Metrics
 from .peers import PeerManager
-from .shm import Segment
 from .keys import chunk_keys, prefix_keys
 from .store import Store
 
@@ -120,7 +119,7 @@ class FetchJob:
     def _remaining_ms(self) -> int:
         return int(self.deadline_ms - (time.monotonic() - self._t0) * 1000)
 
-    async def run(self, emit: Callable[[dict], Awaitable[None]]) -> FetchResult:
+    async def run(self, emit: Callable[[events.Event], Awaitable[None]]) -> FetchResult:
         self._t0 = time.monotonic()
         received: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
         decoded: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
@@ -251,7 +250,7 @@ class FetchJob:
 
     # -- stage 3: fill -----------------------------------------------------------------------
 
-    async def _fill(self, inp: asyncio.Queue, emit: Callable[[dict], Awaitable[None]]) -> None:
+    async def _fill(self, inp: asyncio.Queue, emit: Callable[[events.Event], Awaitable[None]]) -> None:
         busy = 0.0
         while (item := await inp.get()) is not None:
             s, e = self.plan.bounds[item.i]
@@ -267,26 +266,8 @@ class FetchJob:
                 item.kv = None
             self.result.levels.append(item.level)
             self.result.events += 1
-            ev = {"event": "chunk", "i": item.i, "start": s, "end": e, "kind": item.kind, "level": item.level,
-                  "source": item.source, "bytes": item.nbytes,
-                  "arrived_ms": round((item.arrived - self._t0) * 1000, 2) if item.arrived else None,
-                  "t_ms": round((time.monotonic() - self._t0) * 1000, 2)}
-            if item.error:
-                ev["error"] = item.error
-            await emit(ev)
+            await emit(events.Chunk(
+                item.i, s, e, item.kind, item.level, item.source, t_ms=round((time.monotonic() - self._t0) * 1000, 2),
+                bytes=item.nbytes, arrived_ms=round((item.arrived - self._t0) * 1000, 2) if item.arrived else None,
+                error=item.error or None))
         self.result.stage_s["fill"] = busy
-
-
-def allocate(shape: tuple[int, ...], dtype: str) -> Segment:
-    """A fetch's buffer. Mode 0660: under systemd the model process is another user in the
-    daemon's group (see systemd/README.md); the umask must not take the group bits away."""
-    from .shm import DTYPES
-    n = 1
-    for s in shape:
-        n *= s
-    seg = Segment.create(n * DTYPES[dtype].itemsize, mode=0o660)
-    try:
-        os.chmod(f"/dev/shm/{seg.name}", 0o660)
-    except OSError:
-        pass
-    return seg

@@ -106,9 +106,9 @@ def test_three_daemons_store_on_one_fetch_from_another(cluster, context):
         assert [e.source for e in events] == ["a", "a", "a"]
         check_fetched(f, kv, model_id)
         end = f.end
-    assert end["kv_tokens"] == 600 and end["text_tokens"] == 0 and end["prefill_from"] == 600
-    assert end["prefill_tokens"] == len(prompt) - 600
-    assert set(end["timings"]) >= {"total_s", "receive_s", "decode_s", "fill_s"}
+    assert end.kv_tokens == 600 and end.text_tokens == 0 and end.prefill_from == 600
+    assert end.prefill_tokens == len(prompt) - 600
+    assert set(end.timings) >= {"total_s", "receive_s", "decode_s", "fill_s"}
 
     # the whole context as the prompt: all three chunks, from c this time too
     with c.client().fetch(model_id, tokens) as f:
@@ -214,7 +214,7 @@ def test_garbage_on_the_peer_port_and_the_api_socket(cluster, context):
     wait_for(lambda: b.client().lookup(model_id, tokens)["peers"].get("a"), what="b still sees a")
     with b.client().fetch(model_id, tokens) as f:
         list(f)
-        assert f.end["kv_tokens"] == 600
+        assert f.end.kv_tokens == 600
         check_fetched(f, kv, model_id)
     assert 'kvstreamd_errors_total{kind="api_bad_request"}' in cl.metrics()
 
@@ -252,7 +252,7 @@ def test_fifty_concurrent_fetches_are_correct_and_memory_stays_bounded(cluster, 
             async for ev in f:
                 assert ev.kind == "kv"
                 assert torch.equal(f.kv[:, :, ev.start:ev.end], want[(ev.i, ev.level)])
-        assert f.end["kv_tokens"] == 600
+        assert f.end.kv_tokens == 600
         return [e.level for e in f.events]
 
     async def main():
@@ -284,7 +284,7 @@ def test_a_client_that_dies_does_not_leak_its_buffer(cluster, context):
     a.client().put(model_id, tokens, kv)
     code = (f"from kvstreamd.client import Client; import os\n"
             f"f = Client({str(a.socket)!r}).fetch({model_id!r}, {tokens!r})\n"
-            f"print(f.start['buffer'], flush=True); os._exit(9)\n")
+            f"print(f.start.buffer, flush=True); os._exit(9)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     name = out.stdout.strip()
     assert name.startswith(f"kvstreamd-{a.proc.pid}-"), out.stderr
@@ -383,7 +383,7 @@ def test_a_fetch_asking_for_the_gpu_says_why_not_and_uses_shared_memory(cluster,
     (a,) = cluster(["a"])
     a.client().put(model_id, tokens, kv)
     with a.client().fetch(model_id, tokens, device="cuda") as f:
-        assert f.device == "cpu" and "CUDA" in f.start["gpu_unavailable"]
+        assert f.device == "cpu" and "CUDA" in f.start.gpu_unavailable
         f.wait()
         check_fetched(f, kv, model_id)
 
@@ -395,7 +395,7 @@ def test_a_fetch_on_the_gpu_hands_over_device_memory(cluster, context):
     (a,) = cluster(["a"])
     a.client().put(model_id, tokens, kv)
     with a.client().fetch(model_id, tokens, device="cuda") as f:
-        assert f.device.startswith("cuda") and "cuda_ipc" in f.start
+        assert f.device.startswith("cuda") and f.start.cuda_ipc
         f.wait()
         assert f.kv.is_cuda
         for ev in f.events:

@@ -61,8 +61,8 @@ def test_peer_killed_mid_stream(tmp_path, long_context, short_context):
             assert not a.alive()
             assert len(events) == 4 and events[0].kind == "kv" and events[0].source == "a"
             assert events[-1].kind == "text" and events[-1].source == "fallback"
-            assert end["kv_tokens"] + end["text_tokens"] == 1024 and end["text_tokens"] >= CHUNK
-            assert any("peer a failed" in e for e in end["errors"]), end["errors"]
+            assert end.kv_tokens + end.text_tokens == 1024 and end.text_tokens >= CHUNK
+            assert any("peer a failed" in e for e in end.errors), end.errors
             for ev in events:
                 if ev.kind == "kv":
                     assert torch.equal(got[:, :, ev.start:ev.end], expected_chunk(kv, ev.i, ev.level, model_id))
@@ -73,7 +73,7 @@ def test_peer_killed_mid_stream(tmp_path, long_context, short_context):
             wait_for(lambda: b.client().lookup(m2, t2)["peers"].get("c") == 300, what="b sees c's chunks")
             with b.client().fetch(m2, t2) as f:
                 list(f)
-                assert f.end["kv_tokens"] == 300 and {e.source for e in f.events} == {"c"}
+                assert f.end.kv_tokens == 300 and {e.source for e in f.events} == {"c"}
             assert b.client().health()["status"] == "ok" and c.client().health()["status"] == "ok"
 
             # 3. a restarts (its store is rebuilt from disk) and c holds the context too: a dies again
@@ -85,7 +85,7 @@ def test_peer_killed_mid_stream(tmp_path, long_context, short_context):
             events, end, got = fetch_killing(b, a, model_id, tokens)
             assert [e.kind for e in events] == ["kv"] * 4, events
             assert events[0].source == "a" and events[-1].source == "c"
-            assert end["kv_tokens"] == 1024 and end["text_tokens"] == 0
+            assert end.kv_tokens == 1024 and end.text_tokens == 0
             for ev in events:
                 assert torch.equal(got[:, :, ev.start:ev.end], expected_chunk(kv, ev.i, ev.level, model_id))
             assert b.stop() == 0 and c.stop() == 0

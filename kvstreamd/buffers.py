@@ -1,0 +1,66 @@
+"""A fetch's hand-off buffer, whatever memory it lies in: shared memory on the host
+(`HostBuffer`) or device memory on the daemon's GPU (`cuda_ipc.CudaBuffer`). The daemon holds
+one per fetch until the client releases it or its lease runs out; it reads each only through
+`FetchBuffer`, so a second kind of memory is a second class, not a second branch."""
+from __future__ import annotations
+
+import os
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .shm import DTYPES, Segment
+
+
+def nbytes_of(shape, dtype: str) -> int:
+    n = DTYPES[dtype].itemsize
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@runtime_checkable
+class FetchBuffer(Protocol):
+    name: str  # what the client names in DELETE /v1/buffers/{name}
+    nbytes: int
+
+    def tensor(self, shape, dtype: str) -> torch.Tensor:
+        """The buffer as a [L, 2, T, H, D] tensor the fill stage writes into."""
+
+    def placement(self) -> dict:
+        """The start event's fields that tell the client where the KV lies and how to map it."""
+
+    def release(self) -> None:
+        """Give the memory back; a client that still maps it keeps its own mapping."""
+
+
+class HostBuffer:
+    """Shared memory the model process attaches to by name. Mode 0660: under systemd the model
+    process is another user in the daemon's group (see systemd/README.md); the umask must not
+    take the group bits away."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.name = segment.name
+        self.nbytes = segment.size
+
+    @classmethod
+    def create(cls, shape, dtype: str) -> "HostBuffer":
+        seg = Segment.create(nbytes_of(shape, dtype), mode=0o660)
+        try:
+            os.chmod(f"/dev/shm/{seg.name}", 0o660)
+        except OSError:
+            pass
+        return cls(seg)
+
+    def tensor(self, shape, dtype: str) -> torch.Tensor:
+        return self.segment.tensor(shape, dtype)
+
+    def placement(self) -> dict:
+        return {"device": "cpu"}
+
+    def release(self) -> None:
+        """Unlink the name, then unmap; ShmError if a view of it is still alive in this process
+        (the mapping is then left to the garbage collector, and the name is gone either way)."""
+        self.segment.unlink()
+        self.segment.close()

@@ -1,0 +1,341 @@
+"""What a node does for the model processes on its host, as the local API sees it: put a
+context, fetch a prompt's longest cached prefix (an async iterator of `events`), look a prompt
+up, list and delete contexts, hold and release fetch buffers, report status. The daemon
+(daemon.py) builds the parts and owns their life cycle; this holds the work."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from codec.errors import CodecError
+from codec.profile import Profile
+
+from . import __version__, events
+from .buffers import FetchBuffer, HostBuffer
+from .config import Config
+from .coder import Coder
+from .directory import Directory
+from .events import FetchRequest
+from .metrics import Metrics
+from .peers import PeerManager
+from .pipeline import FetchJob, plan
+from .shm import Attached, ShmError
+from .chunkfile import ChunkRecord
+from .keys import chunk_keys
+from .store import Store, StoreError
+
+log = logging.getLogger("kvstreamd.node")
+
+EVENT_QUEUE = 2  # events between a fetch and its client: a slow reader slows the fill stage
+
+
+class RequestError(Exception):
+    """A request the node cannot serve as asked; the API answers it with `status` and
+    {"error": {"code", "message"}}."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+@dataclass
+class _Held:
+    buffer: FetchBuffer
+    expires: float  # time.monotonic()
+
+
+class Node:
+    def __init__(self, cfg: Config, store: Store, directory: Directory, coder: Coder, peers: PeerManager,
+                 metrics: Metrics, gpu: torch.device | None, gpu_why: str) -> None:
+        self.cfg = cfg  # the daemon swaps in a reloaded one
+        self.store = store
+        self.directory = directory
+        self.coder = coder
+        self.peers = peers
+        self.metrics = metrics
+        self.gpu = gpu  # where fetches that ask for device "cuda" decode; None: the CPU, because gpu_why
+        self.gpu_why = gpu_why
+        self.stopping = False
+        self.started = time.time()
+        self.buffers: dict[str, _Held] = {}
+        self._stages: dict[bytes, object] = {}  # codec.gpu stages per profile id
+        self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)
+        self._active: set[asyncio.Task] = set()
+
+    @property
+    def node_id(self) -> str:
+        return self.cfg.node.id
+
+    def set_max_fetches(self, n: int) -> None:
+        self._fetch_slots = asyncio.Semaphore(n)
+
+    def profile_for(self, model_id: str) -> Profile:
+        try:
+            return self.coder.profile_for(model_id)
+        except CodecError as e:
+            raise RequestError(400, "unknown_model", str(e)) from None
+
+    # -- put ---------------------------------------------------------------------------------
+
+    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str) -> dict:
+        """Store a context whose KV the client left in the shared-memory segment `buffer`."""
+        prof = self.profile_for(model_id)
+        want = (prof.layers, 2, len(tokens), prof.heads, prof.head_dim)
+        if tuple(shape) != want:
+            raise RequestError(400, "bad_shape", f"KV shape {list(shape)} is not [L, 2, T, H, D] = {list(want)} "
+                                                 f"for {model_id} and {len(tokens)} tokens")
+        try:
+            att = Attached.open(buffer, tuple(shape), dtype)
+        except ShmError as e:
+            raise RequestError(400, "bad_buffer", str(e)) from None
+        t0 = time.perf_counter()
+        try:
+            stored, held = await self._put(model_id, tokens, att.tensor, prof)
+        except StoreError as e:
+            raise RequestError(507, "store_full", str(e)) from None
+        finally:
+            att.release()
+        return {"keys": [k.hex() for k in chunk_keys(model_id, tokens, self.cfg.codec.chunk_tokens)],
+                "stored_chunks": stored, "already_held": held, "seconds": round(time.perf_counter() - t0, 4)}
+
+    async def _put(self, model_id: str, tokens: list[int], kv: torch.Tensor, prof: Profile) -> tuple[int, int]:
+        """Chunk, encode every level (in the codec pool), store, advertise. Chunks already held
+        are skipped before any encoding. Returns (chunks stored, chunks already held)."""
+        ct = self.cfg.codec.chunk_tokens
+        keys = chunk_keys(model_id, tokens, ct)
+        dtype = str(kv.dtype).removeprefix("torch.")
+        stored = held = 0
+        t0 = time.perf_counter()
+        for i, key in enumerate(keys):
+            if self.store.has(key):
+                held += 1
+                self.metrics.puts.labels("already_held").inc()
+                continue
+            s, e = i * ct, min((i + 1) * ct, len(tokens))
+            chunk = kv[:, :, s:e].contiguous()
+            payloads = {}
+            for level in self.cfg.codec.levels:
+                payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
+                self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
+            rec = ChunkRecord(key, keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]), dtype,
+                              tuple(chunk.shape), payloads, time.time())
+            del chunk
+            if await asyncio.to_thread(self.store.put, rec):
+                stored += 1
+                self.metrics.puts.labels("stored").inc()
+            else:
+                held += 1
+        self.metrics.encode_seconds.observe(time.perf_counter() - t0)
+        log.info("put %s: %d tokens, %d chunks stored, %d already held, %.2f s", model_id, len(tokens), stored,
+                 held, time.perf_counter() - t0)
+        return stored, held
+
+    # -- fetch -------------------------------------------------------------------------------
+
+    async def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]:
+        """The fetch's events as they happen: Start, a Chunk per chunk, then End (or Failed).
+        Closing the iterator early (the client went away) cancels the fetch and frees its buffer."""
+        prof = self.profile_for(req.model_id)
+        if self.stopping:
+            raise RequestError(503, "stopping", "the daemon is shutting down")
+        queue: asyncio.Queue[events.Event] = asyncio.Queue(EVENT_QUEUE)
+        task = asyncio.ensure_future(self._run_fetch(req, prof, queue.put))
+        self._active.add(task)
+        task.add_done_callback(self._active.discard)
+        try:
+            while True:
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                    continue
+                get.cancel()
+                while not queue.empty():
+                    yield queue.get_nowait()
+                break
+            if task.cancelled():
+                if self.stopping:
+                    yield events.Failed("stopping", "the daemon is shutting down")
+            elif task.exception() is not None:
+                e = task.exception()
+                log.error("fetch of %d tokens failed", len(req.tokens), exc_info=e)
+                self.metrics.error("fetch_internal")
+                yield events.Failed("internal", f"{type(e).__name__}: {e}")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _run_fetch(self, req: FetchRequest, prof: Profile, emit) -> None:
+        async with self._fetch_slots:
+            await self._fetch(req, prof, emit)
+
+    async def _fetch(self, req: FetchRequest, prof: Profile, emit) -> None:
+        self.metrics.fetches_active.inc()
+        t0 = time.monotonic()
+        cfg = self.cfg
+        tokens, dtype = req.tokens, req.dtype
+        p = plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens)
+        shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
+        on_gpu = req.device == "cuda" and self.gpu is not None
+        buf: FetchBuffer | None = None
+        if p.found:
+            buf = await self._allocate(shape, dtype, on_gpu)
+            self.hold_buffer(buf)  # held from here, so that any failure below releases it
+        view = None
+        ok = False
+        try:
+            if buf is not None:
+                view = buf.tensor(shape, dtype)
+            place = buf.placement() if buf is not None else {"device": str(self.gpu) if on_gpu else "cpu"}
+            await emit(events.Start(
+                buffer=buf.name if buf else None, shape=list(shape), dtype=dtype, prompt_tokens=len(tokens),
+                found_tokens=p.found_tokens, chunk_tokens=cfg.codec.chunk_tokens,
+                local_tokens=p.bounds[p.local - 1][1] if p.local else 0, lease_s=cfg.api.buffer_lease_s,
+                gpu_unavailable=self.gpu_why if req.device == "cuda" and not on_gpu else None, **place))
+            job = FetchJob(p, req.model_id, tokens, req.deadline_ms or cfg.stream.deadline_ms, view, self.store,
+                           self.peers, self.coder, self.metrics, list(req.levels or cfg.codec.levels))
+            job.recompute_tps = req.recompute_tokens_per_s or cfg.stream.recompute_tokens_per_s
+            if on_gpu and p.found:
+                job.stages = await asyncio.to_thread(self._stages_for, prof)
+            res = await job.run(emit)
+            job.buffer = None
+            total = time.monotonic() - t0
+            text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
+            text_tokens = sum(e - s for s, e in text_ranges)
+            kv_tokens = p.found_tokens - text_tokens
+            self._account(p, tokens, kv_tokens, text_tokens, total, res)
+            await emit(events.End(
+                found_tokens=p.found_tokens, kv_tokens=kv_tokens, text_tokens=text_tokens, text_ranges=text_ranges,
+                prefill_from=p.found_tokens, prefill_tokens=len(tokens) - p.found_tokens, levels=res.levels,
+                bytes=res.bytes, deadline_missed=res.deadline_missed, errors=res.errors,
+                timings={"total_s": round(total, 4), **{f"{k}_s": round(v, 4) for k, v in res.stage_s.items()}}))
+            ok = True
+        finally:
+            del view
+            self.metrics.fetches_active.dec()
+            if not ok and buf is not None:
+                self.release_buffer(buf.name)  # nobody will attach to a failed fetch's buffer
+
+    async def _allocate(self, shape, dtype: str, on_gpu: bool) -> FetchBuffer:
+        if on_gpu:
+            from .cuda_ipc import CudaBuffer
+            return await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index)
+        return HostBuffer.create(shape, dtype)
+
+    def _account(self, p, tokens, kv_tokens, text_tokens, total, res) -> None:
+        m = self.metrics
+        m.fetch_seconds.observe(total)
+        if total > 0:
+            m.decode_share.observe(min(res.stage_s["decode"] / total, 1.0))
+        for stage, s in res.stage_s.items():
+            m.stage_seconds.labels(stage).observe(s)
+        local_tokens = p.bounds[p.local - 1][1] if p.local else 0
+        m.prompt_tokens.labels("local").inc(local_tokens)
+        m.prompt_tokens.labels("peer").inc(max(kv_tokens - local_tokens, 0))
+        m.prompt_tokens.labels("text").inc(text_tokens)
+        m.prompt_tokens.labels("prefill").inc(len(tokens) - p.found_tokens)
+        m.lookups.labels("hit" if p.found >= len(p.keys) - 1 and p.found else "partial" if p.found else "miss").inc()
+
+    def _stages_for(self, prof: Profile):
+        """The GPU pipeline's streams and decoder tables for a profile, built once."""
+        from codec.gpu import StreamStages
+        st = self._stages.get(prof.id)
+        if st is None:
+            st = self._stages[prof.id] = StreamStages(prof, self.gpu)
+        return st
+
+    async def cancel_fetches(self) -> None:
+        """Shutdown: every fetch in flight ends (its client gets a Failed("stopping") event)."""
+        self.stopping = True
+        log.info("stopping: %d fetches in flight are cancelled", len(self._active))
+        for t in list(self._active):
+            t.cancel()
+        await asyncio.gather(*self._active, return_exceptions=True)
+
+    # -- buffers -----------------------------------------------------------------------------
+
+    def hold_buffer(self, buf: FetchBuffer) -> None:
+        self.buffers[buf.name] = _Held(buf, time.monotonic() + self.cfg.api.buffer_lease_s)
+
+    def release_buffer(self, name: str) -> bool:
+        held = self.buffers.pop(name, None)
+        if held is None:
+            return False
+        try:
+            held.buffer.release()
+        except Exception as e:  # a view still alive in this process: leave the mapping to GC
+            log.warning("buffer %s: %s", name, e)
+        return True
+
+    def release_all(self) -> None:
+        for name in list(self.buffers):
+            self.release_buffer(name)
+
+    def expire_buffers(self, now: float) -> None:
+        for name, held in list(self.buffers.items()):
+            if held.expires < now:
+                log.info("buffer %s: lease expired unreleased; unlinked", name)
+                self.metrics.error("buffer_lease_expired")
+                self.release_buffer(name)
+
+    # -- what the node holds and knows ---------------------------------------------------------
+
+    def lookup(self, model_id: str, tokens: list[int]) -> dict:
+        self.profile_for(model_id)
+        p = plan(self.store, self.directory, model_id, tokens, self.cfg.codec.chunk_tokens)
+        tok = lambda n: p.bounds[n - 1][1] if n else 0  # noqa: E731
+        return {"prompt_tokens": len(tokens), "chunks": len(p.keys), "local_tokens": tok(p.local),
+                "peers": {peer: tok(n) for peer, n in p.peers.items()}, "found_tokens": p.found_tokens}
+
+    async def contexts(self) -> list[dict]:
+        return [{"key": c.key.hex(), "model_id": c.model_id, "tokens": c.tokens, "chunks": c.chunks,
+                 "complete": c.complete, "created": c.created, "bytes": c.nbytes}
+                for c in await asyncio.to_thread(self.store.contexts)]
+
+    async def delete_context(self, key: bytes) -> int:
+        if not self.store.has(key):
+            raise RequestError(404, "not_found", f"no context ends at chunk {key.hex()}")
+        return await asyncio.to_thread(self.store.delete_context, key)
+
+    def peer_info(self) -> list[dict]:
+        return self.peers.info()
+
+    def health(self) -> dict:
+        return {"status": "stopping" if self.stopping else "ok", "node_id": self.node_id}
+
+    def record_error(self, kind: str) -> None:
+        self.metrics.error(kind)
+
+    def metrics_text(self) -> bytes:
+        u = self.store.usage()
+        m = self.metrics
+        m.store_bytes.labels("memory").set(u.memory_bytes)
+        m.store_bytes.labels("disk").set(u.disk_bytes)
+        m.store_budget.labels("memory").set(u.memory_budget)
+        m.store_budget.labels("disk").set(u.disk_budget)
+        m.store_chunks.set(u.chunks)
+        m.store_evictions.set(u.evictions)
+        m.buffers_held.set(len(self.buffers))
+        m.buffer_bytes.set(sum(h.buffer.nbytes for h in self.buffers.values()))
+        return m.render()
+
+    def status(self) -> dict:
+        u = self.store.usage()
+        cfg = self.cfg
+        return {"node_id": self.node_id, "version": __version__, "pid": os.getpid(),
+                "uptime_s": round(time.time() - self.started, 1), "config": str(cfg.source) if cfg.source else None,
+                "api_socket": str(cfg.api.socket), "peer_port": self.peers.port,
+                "peers_connected": self.peers.connected(), "fetches_active": len(self._active),
+                "buffers_held": len(self.buffers), "decode_mbps": round(self.coder.decode_mbps, 1),
+                "levels": list(cfg.codec.levels), "chunk_tokens": cfg.codec.chunk_tokens,
+                "store": {k: getattr(u, k) for k in ("chunks", "memory_bytes", "memory_budget", "disk_bytes",
+                                                      "disk_budget", "memory_chunks", "disk_chunks", "pinned",
+                                                      "evictions", "disk_errors")}}
+
