@@ -11,6 +11,10 @@ naming the file and the key, e.g.
 Relative paths in a file are taken relative to that file's directory. Three keys are computed
 when absent or "": [node] id (the host name), [api] socket (`default_socket`) and [store] dir
 (`default_store_dir`); both of the latter follow the directories systemd creates for the unit.
+
+The file is long (~550 lines) on purpose: it is the whole schema, every key with its parser,
+default and reload rule in one place, so that the keys config.toml documents and the keys the
+daemon accepts cannot drift apart.
 """
 from __future__ import annotations
 

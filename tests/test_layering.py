@@ -1,0 +1,99 @@
+"""The layout is the architecture: dependencies point one way (kvstreamd -> transport -> codec),
+the daemon never imports its test and benchmark harness, no module imports itself round a
+circle, and a file grows past ~500 lines only with its reason in its docstring."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("codec", "transport", "kvstreamd")
+LONG = 500
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules `name` imports, at module level or inside functions alike (a lazy import
+    still couples the two); `if TYPE_CHECKING:` blocks count too."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                stem = base[:len(base) - node.level + 1]
+                mod = ".".join(stem + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_dependencies_point_one_way(graph):
+    bad = [(a, b) for a, deps in graph.items() for b in deps
+           if a.startswith("codec") and not b.startswith("codec")
+           or a.startswith("transport") and b.startswith("kvstreamd")]
+    assert not bad, f"imports against the layering: {bad}"
+
+
+def test_the_daemon_never_imports_its_harness(graph):
+    harness = ("kvstreamd.lab", "kvstreamd.bench", "kvstreamd.cli", "kvstreamd.models")
+    daemon = [m for m in graph if m.startswith("kvstreamd") and not m.startswith(harness) and m != "kvstreamd"]
+    bad = [(a, b) for a in daemon for b in graph[a] if b.startswith(("kvstreamd.lab", "kvstreamd.bench"))]
+    assert not bad, f"daemon modules importing test/benchmark harness: {bad}"
+
+
+def test_no_import_circle(graph):
+    # A package's __init__ importing its own submodules is how packages work, not a circle.
+    edges = {a: {b for b in deps if not a.startswith(b + ".")} for a, deps in graph.items()}
+    cycles, state = [], {}
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(edges.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_a_long_file_says_why_in_its_docstring():
+    long = []
+    for name, path in modules().items():
+        lines = path.read_text().count("\n")
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if lines > LONG and "long" not in doc.lower():
+            long.append(f"{path.relative_to(ROOT)} ({lines} lines)")
+    assert not long, f"files over {LONG} lines without a reason in their docstring: {long}"
