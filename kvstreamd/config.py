@@ -402,14 +402,14 @@ class CodecConfig:
 
 
 @dataclass(frozen=True)
-class StreamConfig:
+class FetchConfig:
     deadline_ms: int = _key(2000, parse=_int(1), reload=True)
     recompute_tokens_per_s: float = _key(250.0, parse=_float(gt=0), reload=True)
 
 
 _SECTIONS: dict[str, type] = {
     "node": NodeConfig, "api": ApiConfig, "peer": PeerConfig,
-    "store": StoreConfig, "codec": CodecConfig, "stream": StreamConfig,
+    "store": StoreConfig, "codec": CodecConfig, "fetch": FetchConfig,
 }
 
 
@@ -420,7 +420,7 @@ class Config:
     peer: PeerConfig = field(default_factory=PeerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
-    stream: StreamConfig = field(default_factory=StreamConfig)
+    fetch: FetchConfig = field(default_factory=FetchConfig)
     source: Path | None = None  # the file it came from; None for built-in defaults
 
     def secret(self) -> bytes | None:
@@ -496,8 +496,18 @@ def _did_you_mean(name: str, known) -> str:
     return f"did you mean {close[0]}?" if close else f"known: {', '.join(known)}"
 
 
+RENAMED = {"stream": "fetch"}  # old section name -> new; a file with the old name still loads
+
+
 def _build(data: dict, ctx: _Ctx, source: Path | None) -> Config:
     f = ctx.file
+    data = dict(data)
+    for old, new in RENAMED.items():
+        if old in data:
+            if new in data:
+                raise ConfigError(f"{f}: [{old}] is the old name of [{new}]; keep only [{new}]")
+            log.warning("%s: [%s] is now called [%s]; it is read as [%s]", f, old, new, new)
+            data[new] = data.pop(old)
     for name, value in data.items():
         if name not in _SECTIONS:
             raise ConfigError(f"{f}: unknown section [{name}] ({_did_you_mean(name, _SECTIONS)})")

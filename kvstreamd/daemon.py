@@ -98,9 +98,9 @@ class Daemon:
             log.warning("no [peer] secret configured: using a random one, so no peer can join this node")
             secret = secrets.token_bytes(32)
         caps = {"levels": list(cfg.codec.levels), "decode_mbps": self.coder.decode_mbps,
-                "recompute_tokens_per_s": cfg.stream.recompute_tokens_per_s, "version": __version__}
+                "recompute_tokens_per_s": cfg.fetch.recompute_tokens_per_s, "version": __version__}
         self.peers = PeerManager(self.node_id, secret, cfg.peer, self.store, self.directory, self.metrics, caps,
-                                 cfg.stream.recompute_tokens_per_s)
+                                 cfg.fetch.recompute_tokens_per_s)
         try:
             await self.peers.start()
         except OSError as e:
@@ -190,7 +190,7 @@ class Daemon:
             self.peers.secret = secret
         self.peers.cfg = self.cfg.peer
         self.peers.set_peers(self.cfg.peer.peers)
-        self.peers.recompute_tokens_per_s = self.cfg.stream.recompute_tokens_per_s
+        self.peers.recompute_tokens_per_s = self.cfg.fetch.recompute_tokens_per_s
         await asyncio.to_thread(self.store.set_budgets, self.cfg.store.memory_budget, self.cfg.store.disk_budget)
         self.node.cfg = self.cfg
         if self.cfg.api.max_fetches != old.api.max_fetches:

@@ -16,7 +16,7 @@ class FetchRequest:
     model_id: str
     tokens: list[int]
     dtype: str = "float16"  # of the buffer the KV lands in
-    deadline_ms: int | None = None  # None: [stream] deadline_ms
+    deadline_ms: int | None = None  # None: [fetch] deadline_ms
     levels: list[str] | None = None  # accepted levels, best first; one alone: exactly that level
     recompute_tokens_per_s: float | None = None  # the model's prefill rate, to price TEXT chunks
     device: str = "cpu"  # "cuda": decode on the daemon's GPU and hand over device memory

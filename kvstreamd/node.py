@@ -199,9 +199,9 @@ class Node:
                 found_tokens=p.found_tokens, chunk_tokens=cfg.codec.chunk_tokens,
                 local_tokens=p.bounds[p.local - 1][1] if p.local else 0, lease_s=cfg.api.buffer_lease_s,
                 gpu_unavailable=self.gpu_why if req.device == "cuda" and not on_gpu else None, **place))
-            job = FetchJob(p, req.model_id, tokens, req.deadline_ms or cfg.stream.deadline_ms, view, self.store,
+            job = FetchJob(p, req.model_id, tokens, req.deadline_ms or cfg.fetch.deadline_ms, view, self.store,
                            self.peers, self.coder, self.metrics, list(req.levels or cfg.codec.levels))
-            job.recompute_tps = req.recompute_tokens_per_s or cfg.stream.recompute_tokens_per_s
+            job.recompute_tps = req.recompute_tokens_per_s or cfg.fetch.recompute_tokens_per_s
             if on_gpu and p.found:
                 job.stages = await asyncio.to_thread(self._stages_for, prof)
             res = await job.run(emit)

@@ -43,11 +43,11 @@ def test_defaults(env, tmp_path):
                                            memory_budget=2**30, disk_budget=8 * 2**30)
     assert cfg.codec == config.CodecConfig(chunk_tokens=1024, levels=("high", "balanced", "fast"),
                                            profile=None, workers=0)
-    assert cfg.stream == config.StreamConfig(deadline_ms=2000, recompute_tokens_per_s=250.0)
+    assert cfg.fetch == config.FetchConfig(deadline_ms=2000, recompute_tokens_per_s=250.0)
     assert cfg.secret() is None
     assert cfg.workers() == len(os.sched_getaffinity(0))
     # Built directly, the dataclasses have the same defaults (computed from os.environ).
-    assert config.CodecConfig() == cfg.codec and config.StreamConfig() == cfg.stream
+    assert config.CodecConfig() == cfg.codec and config.FetchConfig() == cfg.fetch
 
 
 def test_empty_file_is_the_defaults(env, tmp_path):
@@ -110,7 +110,7 @@ chunk_tokens = 2048
 levels = ["balanced", "int8", "cachegen-paper"]
 profile = "/opt/p.kvprofile"
 workers = 3
-[stream]
+[fetch]
 deadline_ms = 500
 recompute_tokens_per_s = 12000
 """)
@@ -126,8 +126,8 @@ recompute_tokens_per_s = 12000
     assert (cfg.store.memory_budget, cfg.store.disk_budget) == (0, 1_500_000_000)
     assert cfg.codec == config.CodecConfig(2048, ("balanced", "int8", "cachegen-paper"),
                                            Path("/opt/p.kvprofile"), 3)
-    assert cfg.stream == config.StreamConfig(500, 12000.0)
-    assert isinstance(cfg.stream.recompute_tokens_per_s, float)
+    assert cfg.fetch == config.FetchConfig(500, 12000.0)
+    assert isinstance(cfg.fetch.recompute_tokens_per_s, float)
     assert cfg.secret() == b"s3cret"
     assert cfg.workers() == 3
     assert "s3cret" not in repr(load(write(tmp_path, '[peer]\nsecret = "s3cret"\n', "s.toml"), env))
@@ -200,8 +200,8 @@ ERRORS = [
     ("[api]\nsocket_mode = 0o1777\n", "[api] socket_mode", "not a permission mode"),
     ('[api]\nsocket_mode = "rw"\n', "[api] socket_mode", "expected a file mode"),
     ('[api]\nsocket = "/' + "s" * 120 + '"\n', "[api] socket", "at most 107"),
-    ("[stream]\ndeadline_ms = 0\n", "[stream] deadline_ms", "out of range (>= 1)"),
-    ("[stream]\nrecompute_tokens_per_s = 0\n", "[stream] recompute_tokens_per_s", "must be > 0"),
+    ("[fetch]\ndeadline_ms = 0\n", "[fetch] deadline_ms", "out of range (>= 1)"),
+    ("[fetch]\nrecompute_tokens_per_s = 0\n", "[fetch] recompute_tokens_per_s", "must be > 0"),
     ("[codec\nchunk_tokens = 1\n", "invalid TOML", "line 1"),
     ("[codec]\nchunk_tokens = 1024\nchunk_tokens = 2048\n", "invalid TOML", ""),
 ]
@@ -364,7 +364,7 @@ dir = "/srv/kv"
 levels = ["fast"]
 chunk_tokens = 2048
 workers = 2
-[stream]
+[fetch]
 deadline_ms = 100
 recompute_tokens_per_s = 1
 """), env)
@@ -372,7 +372,7 @@ recompute_tokens_per_s = 1
     assert runtime == ["[node] log_level", "[api] max_fetches", "[api] buffer_lease_s",
                        "[peer] peers", "[peer] secret", "[peer] retry_min_s", "[peer] retry_max_s",
                        "[store] memory_budget", "[store] disk_budget", "[codec] levels",
-                       "[stream] deadline_ms", "[stream] recompute_tokens_per_s"]
+                       "[fetch] deadline_ms", "[fetch] recompute_tokens_per_s"]
     assert restart == ["[node] id", "[api] socket_mode", "[peer] listen", "[peer] max_frame_bytes",
                        "[store] dir", "[codec] chunk_tokens", "[codec] workers"]
     r2, s2 = config.reloadable_changes(old, load(write(tmp_path, '[peer]\nsecret_file = "/s"\n', "f.toml"), env))
@@ -381,3 +381,18 @@ recompute_tokens_per_s = 1
                                                        '[api]\nsocket = "/run/k.sock"\n'
                                                        '[peer]\nhandshake_timeout_s = 2\n', "g.toml"), env))
     assert (r3, s3) == ([], ["[api] socket", "[peer] handshake_timeout_s", "[codec] profile"])
+
+
+def test_the_old_stream_section_still_loads_as_fetch(tmp_path, caplog):
+    p = tmp_path / "old.toml"
+    p.write_text("[stream]\ndeadline_ms = 1234\n")
+    cfg = config.load(p, env={})
+    assert cfg.fetch.deadline_ms == 1234
+    assert "[stream] is now called [fetch]" in caplog.text
+
+
+def test_old_and_new_names_of_one_section_together_are_refused(tmp_path):
+    p = tmp_path / "both.toml"
+    p.write_text("[stream]\ndeadline_ms = 1\n[fetch]\ndeadline_ms = 2\n")
+    with pytest.raises(config.ConfigError, match=r"\[stream\] is the old name of \[fetch\]"):
+        config.load(p, env={})
