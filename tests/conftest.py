@@ -52,7 +52,7 @@ async def inprocess(tmp_path, small_profile):
     at the end."""
     from kvstreamd import config as config_mod
     from kvstreamd.daemon import Daemon
-    from kvstreamd.lab.daemons import Node
+    from kvstreamd.lab.daemons import DaemonProcess
 
     profile_path = tmp_path / "synthetic.kvprofile"
     small_profile.save(profile_path)
@@ -60,7 +60,7 @@ async def inprocess(tmp_path, small_profile):
 
     async def start(names: list[str], **extra: dict) -> list[Daemon]:
         codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(profile_path), **extra.pop("codec", {})}
-        nodes = [Node(n, tmp_path / n, extra={"codec": codec_cfg, **extra}) for n in names]
+        nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": codec_cfg, **extra}) for n in names]
         daemons = []
         for n in nodes:
             n.peers = [m.addr for m in nodes if m is not n]

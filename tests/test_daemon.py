@@ -22,7 +22,7 @@ from codec import gpu, profile as profiles
 from kvstreamd import models
 from kvstreamd.lab import corpus
 from kvstreamd.client import AsyncClient, ClientError, _UnixHTTPConnection
-from kvstreamd.lab.daemons import Node, wait_for
+from kvstreamd.lab.daemons import DaemonProcess, wait_for
 
 CHUNK = 256
 
@@ -57,8 +57,8 @@ def check_fetched(f, kv, model_id) -> None:
         del got
 
 
-def nodes_for(tmp_path: Path, names: list[str], **extra) -> list[Node]:
-    nodes = [Node(n, tmp_path / n, extra={"codec": {"chunk_tokens": CHUNK, "workers": 1}, **extra}) for n in names]
+def nodes_for(tmp_path: Path, names: list[str], **extra) -> list[DaemonProcess]:
+    nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": {"chunk_tokens": CHUNK, "workers": 1}, **extra}) for n in names]
     for n in nodes:
         n.peers = [m.addr for m in nodes if m is not n]
     return nodes
@@ -66,7 +66,7 @@ def nodes_for(tmp_path: Path, names: list[str], **extra) -> list[Node]:
 
 @pytest.fixture
 def cluster(tmp_path):
-    started: list[Node] = []
+    started: list[DaemonProcess] = []
 
     def make(names, **extra):
         nodes = nodes_for(tmp_path, names, **extra)

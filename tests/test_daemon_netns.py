@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvstreamd.lab import netns
-from kvstreamd.lab.daemons import Node, wait_for
+from kvstreamd.lab.daemons import DaemonProcess, wait_for
 
 from test_daemon import CHUNK, expected_chunk, real_context
 
@@ -27,7 +27,7 @@ def short_context(lm):
     return real_context(lm, 140_000, 300)
 
 
-def fetch_killing(node: Node, victim: Node, model_id: str, tokens: list[int]):
+def fetch_killing(node: DaemonProcess, victim: DaemonProcess, model_id: str, tokens: list[int]):
     """Fetch on `node`; SIGKILL `victim` as soon as the first chunk has landed."""
     with node.client().fetch(model_id, tokens, deadline_ms=120_000) as f:
         events = []
@@ -43,9 +43,9 @@ def test_peer_killed_mid_stream(tmp_path, long_context, short_context):
     model_id, tokens, kv = long_context
     with netns.Link(rate_mbit=8) as link:
         extra = {"codec": {"chunk_tokens": CHUNK, "workers": 1}}
-        a = Node("a", tmp_path / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)
-        b = Node("b", tmp_path / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra)
-        c = Node("c", tmp_path / "c", host=link.addr["b"], netns=link.command("b", []), extra=extra)
+        a = DaemonProcess("a", tmp_path / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)
+        b = DaemonProcess("b", tmp_path / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra)
+        c = DaemonProcess("c", tmp_path / "c", host=link.addr["b"], netns=link.command("b", []), extra=extra)
         nodes = [a, b, c]
         for n in nodes:
             n.peers = [m.addr for m in nodes if m is not n]

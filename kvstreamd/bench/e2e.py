@@ -27,7 +27,7 @@ import torch
 
 from .. import models
 from ..lab import corpus, netns, quality
-from ..lab.daemons import Node, wait_for
+from ..lab.daemons import DaemonProcess, wait_for
 from ..models.prefix import generate
 
 METHODS = ["recompute", "fp16", "int8", "kvstreamd"]
@@ -45,8 +45,8 @@ DEADLINE_MS_PER_1K = 500  # the default SLO: half a second per 1024 tokens of co
 
 @dataclass
 class Hosts:
-    a: Node
-    b: Node
+    a: DaemonProcess
+    b: DaemonProcess
     link: netns.Link | None
 
     @property
@@ -66,11 +66,11 @@ def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0):
     extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers},
              "store": {"memory_budget": "2GiB", "disk_budget": 0}}
     if link is not None:
-        a = Node("host-a", root / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)
-        b = Node("host-b", root / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra)
+        a = DaemonProcess("host-a", root / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)
+        b = DaemonProcess("host-b", root / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra)
     else:
-        a = Node("host-a", root / "a", extra=extra)
-        b = Node("host-b", root / "b", extra=extra)
+        a = DaemonProcess("host-a", root / "a", extra=extra)
+        b = DaemonProcess("host-b", root / "b", extra=extra)
     a.peers, b.peers = [b.addr], [a.addr]
     try:
         a.start(wait=0)

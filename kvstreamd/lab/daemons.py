@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 @dataclass
-class Node:
+class DaemonProcess:
     name: str
     root: Path  # this node's folder: config, store, socket, log
     port: int = field(default_factory=free_port)
@@ -65,7 +65,7 @@ class Node:
             lines += [f"{k} = {_toml(v)}" for k, v in kv.items()]
         return "\n".join(lines) + "\n"
 
-    def start(self, wait: float = 90.0) -> "Node":
+    def start(self, wait: float = 90.0) -> "DaemonProcess":
         self.root.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self.config_text())
         argv = [sys.executable, "-m", "kvstreamd.cli", "run", "--config", str(self.config_path)]
