@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass, field
 
 from transport import aio
-from transport.bandwidth import PeerBandwidth, Probe
+from transport.bandwidth import PeerBandwidth
 from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
 from codec import catalog
 from transport.policy import TEXT, Choice, adaptive_rule
-from transport.sender import StreamSender
+from transport.send import send_chunks
 
 from .config import PeerConfig
 from .directory import Directory
@@ -211,7 +211,7 @@ class PeerManager:
 
     # -- serving a peer's FETCH --------------------------------------------------------------
 
-    async def _serve_fetch(self, stream: aio.Stream, fetch: Fetch) -> None:
+    async def _serve_fetch(self, stream: aio.ServedFetch, fetch: Fetch) -> None:
         new_request_id()
         peer = stream.peer.peer_node_id or "?"
         loop = asyncio.get_running_loop()
@@ -231,7 +231,7 @@ class PeerManager:
         log.info("served %d chunks to %s in %.3f s: levels %s", len(recs), peer, loop.time() - t0,
                  ",".join(c.level for c in sender.choices))
 
-    async def _stream(self, stream: aio.Stream, fetch: Fetch, recs, peer: str, loop):
+    async def _stream(self, stream: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
         """Send the chunks, each at the level the adaptive rule picks; None if some are not held."""
         missing = [i for i, r in enumerate(recs) if r is None]
         if missing:
@@ -248,36 +248,16 @@ class PeerManager:
         work = {lv: catalog.decode_seconds(lv, fp16_mb, decode_mbps) for lv in coded}
         work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
         estimator = self.bandwidth.get(peer)
-        t0 = loop.time()
-        if estimator.needs_probe:
-            probe = Probe()
-            rtt = await stream.peer.ping()
-            sent_at, acked_at = await stream.peer.probe(probe.size)
-            probe.record(estimator, sent_at, acked_at, rtt=rtt)
         asked = [lv for lv in fetch.levels if lv != TEXT]
         rule = adaptive_rule
         if len(asked) == 1 and asked == coded:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
             rule = _fixed(coded[0])
             sizes = {coded[0]: sizes[coded[0]]}
-        sender = StreamSender(fetch.req, len(recs), sizes, max(stream.remaining() * 1000, 1.0), loop.time(),
-                              rule, estimator, work, catalog.dppl_table(coded))
-        sent = 0
-        busy = 0.0
-        while (nxt := sender.next_chunk(loop.time())) is not None:
-            i, level = nxt
-            sent_at = loop.time()
-            if level == TEXT:
-                nbytes = await stream.send_text(i, list(recs[i].tokens))
-            else:
-                nbytes = await stream.send_chunk(i, level, recs[i].levels[level])
-                sent += nbytes
-            self.metrics.chunks.labels(level, "sent").inc()
-            ack, acked_at = await stream.acks.get()
-            busy += acked_at - sent_at
-            sender.on_ack(ack.i, nbytes, sent_at, acked_at)
-        await stream.end(deadline_missed=sender.deadline_missed(loop.time()))
-        return sent, busy, estimator, sender, t0
+        done = await send_chunks(stream, sizes, lambda i, lv: recs[i].levels[lv], lambda i: list(recs[i].tokens),
+                                 rule, estimator, work, catalog.dppl_table(coded),
+                                 on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc())
+        return done.coded_bytes, done.busy_s, estimator, done.sender, done.started
 
     # -- reporting -------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Streaming without a network, as a specification: the bandwidth estimator's arithmetic, both
-level-choice rules on exact situations and on seeded traces, and the sans-IO stream sender."""
+level-choice rules on exact situations and on seeded traces, and the sans-IO sender of one FETCH (FetchSender)."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +10,7 @@ import pytest
 from transport import traces
 from transport.bandwidth import BandwidthEstimator, PeerBandwidth, Probe
 from transport.policy import DPPL, TEXT, Choice, Situation, adaptive_rule, cachegen_rule
-from transport.sender import StreamSender
+from transport.sender import FetchSender
 
 MB = 1e6
 PAPER_LADDER = ("high", "balanced", "fast", TEXT)  # CacheGen's own levels, without int8
@@ -202,17 +202,17 @@ def test_simulated_rule_sees_only_the_past():
     assert seen == pytest.approx([mbit(10), mbit(10), 3 / (2 / mbit(10) + 1 / mbit(100))])
 
 
-# --- the stream sender ------------------------------------------------------------------------
+# --- the sender of one FETCH -------------------------------------------------------------------
 
 def sender(deadline_ms: float, chunks: int = 4, rule=adaptive_rule, probed_at: float | None = 100.0):
     est = BandwidthEstimator()
     if probed_at is not None:
         est.add(1_000_000, 0.0, 1_000_000 / mbit(probed_at))
     sizes, work = traces.smollm2_chunks(chunks)
-    return StreamSender(7, chunks, sizes, deadline_ms, 0.0, rule, est, work)
+    return FetchSender(7, chunks, sizes, deadline_ms, 0.0, rule, est, work, DPPL)
 
 
-def run(s: StreamSender, now: float, bandwidth: float) -> float:
+def run(s: FetchSender, now: float, bandwidth: float) -> float:
     """Send and acknowledge chunk after chunk at `bandwidth` bytes/s; returns the time."""
     while (nxt := s.next_chunk(now)) is not None:
         i, level = nxt

@@ -1,12 +1,13 @@
-"""The sending side of one FETCH, sans-IO: which chunk goes next and at which level, learning
-the link from the receiver's ACKs. No sockets and no clock: every call takes `now`."""
+"""The sender side of one FETCH, sans-IO: which chunk goes next and at which level, learning
+the link from the fetcher's ACKs. No sockets and no clock: every call takes `now`
+(transport/send.py runs it over a connection)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .bandwidth import BandwidthEstimator
-from .policy import DPPL, Choice, Rule, Situation
+from .policy import Choice, Rule, Situation
 
 
 @dataclass(frozen=True)
@@ -15,9 +16,10 @@ class _InFlight:
     bytes: int
 
 
-class StreamSender:
-    """Streams chunks 0..chunks-1 of request `req` in order, each at the level `rule` picks
+class FetchSender:
+    """Hands out chunks 0..chunks-1 of request `req` in order, each at the level `rule` picks
     from the estimator's view of the link, the receiver's predicted backlog and the time left.
+    What each level costs is data: `work_s` (receiver seconds per chunk) and `dppl` (quality).
 
     A deadline that passes is recorded, not ignored: the stream goes on at whatever the rule
     says once the deadline is lost, and `deadline_missed` reports it for the END message.
@@ -25,7 +27,7 @@ class StreamSender:
 
     def __init__(self, req: int, chunks: int, sizes: Mapping[str, Sequence[int]], deadline_ms: float,
                  now: float, rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
-                 dppl: Mapping[str, float] = DPPL) -> None:
+                 dppl: Mapping[str, float]) -> None:
         if chunks < 1:
             raise ValueError(f"request {req}: a stream needs at least one chunk, got {chunks}")
         wrong = {lv: len(s) for lv, s in sizes.items() if len(s) != chunks}

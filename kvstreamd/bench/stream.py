@@ -21,10 +21,11 @@ PORT = 9400
 
 
 def _dppl_table(codec_json: Path) -> dict[str, float]:
-    """Measured Δppl per level from the codec benchmark, when it has been run."""
-    from transport.policy import DPPL
+    """Measured Δppl per level from the codec benchmark, when it has been run; the catalog's
+    figures otherwise."""
+    from codec import catalog
 
-    table = dict(DPPL)
+    table = catalog.dppl_table(catalog.names())
     if codec_json.is_file():
         for r in json.loads(codec_json.read_text())["results"]:
             name = r["scheme"].split(":", 1)[-1]

@@ -1,7 +1,8 @@
 """The two ends of one `kvstreamd bench stream` run, each a process on its own test host:
-`serve` streams a prepared context's chunks with a method's level choice (reshaping its
-link per chunk when given a trace); `fetch` asks for the context, decodes chunks in a process
-pool as they land (recomputing TEXT chunks with the real model) and prints one JSON line."""
+`serve` sends a prepared context's chunks with a method's level choice through the daemon's
+own sender loop (transport.send.send_chunks), reshaping its link per chunk when given a trace;
+`fetch` asks for the context, decodes chunks in a process pool as they land (recomputing TEXT
+chunks with the real model) and prints one JSON line."""
 from __future__ import annotations
 
 import argparse
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from codec import catalog
 from kvstreamd.lab import netns
 from transport import aio
-from transport.bandwidth import BandwidthEstimator, Probe
-from transport.policy import DPPL, TEXT, Choice, adaptive_rule, cachegen_rule
-from transport.sender import StreamSender
+from transport.bandwidth import BandwidthEstimator
+from transport.policy import TEXT, Choice, adaptive_rule, cachegen_rule
+from transport.send import send_chunks
 
 METHODS = ["fp16", "int8", "text", "cachegen-rule", "adaptive"]
 ADAPTIVE_LEVELS = ["fp16", "int8", "high", "balanced", "fast", TEXT]  # what the rules may pick from
@@ -67,13 +69,11 @@ async def serve(args) -> None:
     manifest, payloads = load(Path(args.dir))
     rule, levels = rule_and_levels(args.method)
     work = receiver_work(manifest)
-    dppl = {**DPPL, **json.loads(args.dppl)} if args.dppl else DPPL
+    dppl = {**catalog.dppl_table(lv for lv in levels if lv in catalog.SCHEMES), **json.loads(args.dppl or "{}")}
     trace = [float(x) for x in Path(args.trace).read_text().split()] if args.trace else None
-    n = len(manifest["chunks"])
     done = asyncio.get_running_loop().create_future()
 
-    async def handler(stream: aio.Stream, fetch) -> None:
-        loop = asyncio.get_running_loop()
+    async def handler(served: aio.ServedFetch, fetch) -> None:
         sizes = {lv: [len(p) for p in payloads[lv]] if lv != TEXT else [3 * len(c["tokens"]) for c in manifest["chunks"]]
                  for lv in levels}
         estimator = BandwidthEstimator()
@@ -83,28 +83,13 @@ async def serve(args) -> None:
             chunk_mb = manifest["chunks"][0]["bytes"]["fp16"] / 1e6  # the fp16 KV a chunk decodes to
             receiver.update({lv: chunk_mb / fetch.decode_mbps for lv in ("high", "balanced", "fast")})
         if trace:
-            set_rate(args.dev, trace[0])
-        if estimator.needs_probe:
-            probe = Probe()
-            rtt = await stream.peer.ping()
-            sent_at, acked_at = await stream.peer.probe(probe.size)
-            probe.record(estimator, sent_at, acked_at, rtt=rtt)
-        sender = StreamSender(fetch.req, n, sizes, fetch.deadline_ms, loop.time(), rule, estimator,
-                              {lv: receiver[lv] for lv in levels}, dppl)
-        while (nxt := sender.next_chunk(loop.time())) is not None:
-            i, level = nxt
-            if trace:
-                set_rate(args.dev, trace[i % len(trace)])
-            sent_at = loop.time()
-            if level == TEXT:
-                nbytes = await stream.send_text(i, manifest["chunks"][i]["tokens"])
-            else:
-                nbytes = await stream.send_chunk(i, level, payloads[level][i])
-            ack, acked_at = await stream.acks.get()
-            sender.on_ack(ack.i, nbytes, sent_at, acked_at)
-        await stream.end(deadline_missed=sender.deadline_missed(loop.time()))
+            set_rate(args.dev, trace[0])  # the probe crosses the first chunk's link
+        sent = await send_chunks(
+            served, sizes, lambda i, lv: payloads[lv][i], lambda i: manifest["chunks"][i]["tokens"],
+            rule, estimator, {lv: receiver[lv] for lv in levels}, {lv: dppl[lv] for lv in levels},
+            before_send=(lambda i, _lv: set_rate(args.dev, trace[i % len(trace)])) if trace else None)
         if not done.done():
-            done.set_result([c.reason for c in sender.choices])
+            done.set_result([c.reason for c in sent.sender.choices])
 
     server = await aio.serve(args.host, args.port, "bench-sender", bytes.fromhex(args.secret), handler)
     print("ready", flush=True)

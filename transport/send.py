@@ -1,0 +1,74 @@
+"""The sender's loop for one FETCH, over a connection: probe a link never measured, then send
+each chunk at the level FetchSender picks, wait for its ACK, and END. The daemon and
+`kvstreamd bench stream` both serve with this one function, so the bench measures the product."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+from .bandwidth import BandwidthEstimator, Probe
+from .policy import TEXT, Rule
+from .sender import FetchSender
+
+if TYPE_CHECKING:
+    from .aio import ServedFetch
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What send_chunks() did for one FETCH."""
+
+    sender: FetchSender  # its levels and choices per chunk, with the reasons, and the deadline
+    coded_bytes: int  # wire bytes of the CHUNK frames (TEXT frames not counted)
+    busy_s: float  # summed send-to-ACK time of every chunk: how long the link was in use
+    started: float  # loop time send_chunks() began, before any probe
+    deadline_missed: bool  # what END reported
+
+
+async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
+                      payload_of: Callable[[int, str], bytes], text_of: Callable[[int], list[int]],
+                      rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
+                      dppl: Mapping[str, float], *,
+                      on_sent: Callable[[int, str, int], None] | None = None,
+                      before_send: Callable[[int, str], None] | None = None) -> Sent:
+    """Send every chunk of `served`'s FETCH, then END "ok" with whether its deadline (counted
+    from the FETCH's arrival) was missed.
+
+    `sizes[level][i]` is chunk i's size at each level on offer (TEXT among them if allowed),
+    `payload_of(i, level)` its encoded bytes, `text_of(i)` its token ids; `work_s` and `dppl`
+    are what each level costs the fetcher in seconds and in quality. A peer whose link has
+    no history (`estimator.needs_probe`) is probed first with a padded PING. Chunks go one at
+    a time: the next is chosen once the last is acknowledged, from what its ACK taught.
+    `before_send(i, level)` runs just before chunk i is written; `on_sent(i, level, nbytes)`
+    once it is."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    if estimator.needs_probe:
+        probe = Probe()
+        rtt = await served.peer.ping()
+        sent_at, acked_at = await served.peer.probe(probe.size)
+        probe.record(estimator, sent_at, acked_at, rtt=rtt)
+    chunks = len(served.fetch.keys)
+    sender = FetchSender(served.req, chunks, sizes, max(served.remaining() * 1000, 1.0), loop.time(),
+                         rule, estimator, work_s, dppl)
+    coded = 0
+    busy = 0.0
+    while (nxt := sender.next_chunk(loop.time())) is not None:
+        i, level = nxt
+        if before_send is not None:
+            before_send(i, level)
+        sent_at = loop.time()
+        if level == TEXT:
+            nbytes = await served.send_text(i, text_of(i))
+        else:
+            nbytes = await served.send_chunk(i, level, payload_of(i, level))
+            coded += nbytes
+        if on_sent is not None:
+            on_sent(i, level, nbytes)
+        ack, acked_at = await served.acks.get()
+        busy += acked_at - sent_at
+        sender.on_ack(ack.i, nbytes, sent_at, acked_at)
+    missed = sender.deadline_missed(loop.time())
+    await served.end(deadline_missed=missed)
+    return Sent(sender, coded, busy, started, missed)
