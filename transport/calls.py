@@ -1,0 +1,152 @@
+"""The two sides of one request as asyncio objects: `FetchCall` (this node fetching: an async
+iterator of chunks) and `ServedFetch` (this node sending: what a handler writes to), and the
+errors a fetch can end with. transport/aio.py makes them and feeds them; no sockets here."""
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from .messages import Ack, Chunk, End, Error, Fetch, Message, Text
+
+if TYPE_CHECKING:
+    from .aio import PeerConnection
+
+__all__ = ["TransportError", "HandshakeError", "ConnectionClosedError", "FetchError", "FetchFailed",
+           "FetchCancelled", "FetchInterrupted", "FetchCall", "ServedFetch"]
+
+
+class TransportError(Exception):
+    """Base of the errors of transport's asyncio layer; `code` is a protocol error code, `msg`
+    says what happened."""
+
+    def __init__(self, code: str, msg: str):
+        super().__init__(f"{code}: {msg}")
+        self.code = code
+        self.msg = msg
+
+
+class HandshakeError(TransportError):
+    """connect() did not reach READY: refused (auth_failed, version, ...), timed out or lost."""
+
+
+class ConnectionClosedError(TransportError):
+    """The connection is closed; `code`/`msg` say why."""
+
+
+class FetchError(TransportError):
+    """A fetch did not complete; `req` is its request id. Never raised for a complete fetch."""
+
+    def __init__(self, code: str, msg: str, req: int):
+        super().__init__(code, f"req {req}: {msg}")
+        self.req = req
+
+
+class FetchFailed(FetchError):
+    """The sender ended the request with an ERROR (e.g. not_found, internal) or an END whose
+    status is not "ok"."""
+
+
+class FetchCancelled(FetchError):
+    """The fetch was cancelled (by cancel() on this side)."""
+
+
+class FetchInterrupted(FetchError, ConnectionClosedError):
+    """The connection closed before the request's END: what arrived is not the whole context."""
+
+
+class FetchCall:
+    """The fetcher side of one FETCH: an async iterator of its CHUNK and TEXT messages that
+    stops after END "ok" and raises a FetchError for any other ending. Made by
+    PeerConnection.fetch(), which feeds it with deliver() and finish()."""
+
+    def __init__(self, peer: PeerConnection, req: int, taken: Callable[[Chunk | Text], None]):
+        self.peer = peer
+        self.req = req
+        self.end: End | None = None  # the END, once it has arrived (deadline_missed is on it)
+        self._taken = taken  # tells the connection a chunk left its buffer
+        self._items: asyncio.Queue[Chunk | Text | None] = asyncio.Queue()
+        self._final: FetchError | None = None  # set once the request is over and not ok
+
+    def __aiter__(self) -> FetchCall:
+        return self
+
+    async def __anext__(self) -> Chunk | Text:
+        if self._items.empty() and (self._final is not None or self.end is not None):
+            return self._stop()
+        item = await self._items.get()
+        if item is None:
+            return self._stop()
+        self._taken(item)
+        return item
+
+    async def cancel(self) -> None:
+        """Stop the fetch: sends CANCEL; this iterator raises FetchCancelled from now on."""
+        await self.peer.cancel(self.req)
+
+    def deliver(self, msg: Chunk | Text) -> None:
+        """A chunk of this fetch arrived (checked and acknowledged by the connection)."""
+        self._items.put_nowait(msg)
+
+    def finish(self, end: End | None, error: FetchError | None) -> None:
+        """The request is over: END "ok" (error None), or `error`. A fetch that did not end
+        "ok" drops what it holds; the connection has already stopped counting it."""
+        if error is not None:
+            self._final = error
+            while not self._items.empty():
+                self._items.get_nowait()
+        self.end = end
+        self._items.put_nowait(None)
+
+    def _stop(self) -> Any:
+        if self._final is not None:
+            raise self._final
+        raise StopAsyncIteration
+
+
+class ServedFetch:
+    """The sender side of one FETCH, handed to the handler in a task of its own: send the
+    chunks, watch the ACKs. A CANCEL cancels the task; the connection then ends the request
+    (END "cancelled"), as it does when the handler returns or raises without ending it."""
+
+    def __init__(self, peer: PeerConnection, fetch: Fetch, now: float,
+                 send: Callable[[Message], Awaitable[int]]):
+        self.peer = peer
+        self.fetch = fetch
+        self.req = fetch.req
+        self.started = now  # loop time the FETCH arrived; the deadline counts from here
+        self.deadline = now + fetch.deadline_ms / 1000.0  # loop time
+        self.acks: asyncio.Queue[tuple[Ack, float]] = asyncio.Queue()  # (ACK, loop time it arrived)
+        self.cancelled = False  # the peer sent CANCEL
+        self.ended = False  # END or a request ERROR was sent
+        self.task: asyncio.Task | None = None
+        self._send = send  # the connection's request-message writer (waits for the drain)
+        self._clock = asyncio.get_running_loop().time
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (negative once it has passed)."""
+        return self.deadline - self._clock()
+
+    async def send_chunk(self, i: int, level: str, payload: bytes, crc: int | None = None) -> int:
+        """Send chunk i at `level`; returns the frame's wire size (what its ACK reports)."""
+        # crc32 runs at several GB/s (about 1 ms for 4 MiB), so it stays on the loop; a store
+        # that keeps each chunk's crc can pass it and skip even that
+        msg = Chunk(self.req, i, level, payload, zlib.crc32(payload) if crc is None else crc)
+        return await self._send(msg)
+
+    async def send_text(self, i: int, tokens: list[int]) -> int:
+        """Send chunk i as token ids, for the receiver to recompute; returns the wire size."""
+        return await self._send(Text(self.req, i, list(tokens)))
+
+    async def end(self, deadline_missed: bool | None = None) -> None:
+        """Send END "ok" (every chunk must have been sent). deadline_missed defaults to
+        whether the deadline has passed now."""
+        if deadline_missed is None:
+            deadline_missed = self.remaining() < 0
+        self.ended = True
+        await self._send(End(self.req, "ok", deadline_missed))
+
+    async def fail(self, code: str, msg: str) -> None:
+        """End the request with a request-scoped ERROR; the connection stays open."""
+        self.ended = True
+        await self._send(Error(code, msg, self.req))
