@@ -1,7 +1,9 @@
 """Streaming without a network, as a specification: the bandwidth estimator's arithmetic, both
-level-choice rules on exact situations and on seeded traces, and the sans-IO sender of one FETCH (FetchSender)."""
+level-choice rules on exact situations and on seeded traces, the sans-IO sender of one FETCH
+(FetchSender), and send_chunks, the loop that drives it, over a stand-in for the connection."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import statistics
 
@@ -9,7 +11,9 @@ import pytest
 
 from transport import traces
 from transport.bandwidth import BandwidthEstimator, PeerBandwidth, Probe
+from transport.messages import Ack, Fetch
 from transport.policy import DPPL, TEXT, Choice, Situation, adaptive_rule, cachegen_rule
+from transport.send import send_chunks
 from transport.sender import FetchSender
 
 MB = 1e6
@@ -296,6 +300,102 @@ def test_sender_will_not_guess_the_link_before_a_probe():
     assert s.needs_probe
     with pytest.raises(RuntimeError, match="probe"):
         s.next_chunk(0.0)
+
+
+# --- send_chunks: the loop the daemon and bench stream both serve with ---------------------
+
+
+class FakePeer:
+    """What send_chunks asks of the connection: a PING and a padded probe PING."""
+
+    def __init__(self, bandwidth: float):
+        self.bandwidth = bandwidth
+        self.probes: list[int] = []
+
+    async def ping(self) -> float:
+        return 0.0
+
+    async def probe(self, size: int) -> tuple[float, float]:
+        self.probes.append(size)
+        t = asyncio.get_running_loop().time()
+        return t, t + size / self.bandwidth
+
+
+class FakeServedFetch:
+    """A ServedFetch without a connection: each chunk is acknowledged as if it crossed a link
+    of `bandwidth` bytes/s."""
+
+    def __init__(self, chunks: int, bandwidth: float, remaining_s: float = 30.0):
+        self.req = 5
+        self.fetch = Fetch(self.req, [b"k%d" % i for i in range(chunks)], int(remaining_s * 1000), [])
+        self.peer = FakePeer(bandwidth)
+        self.acks: asyncio.Queue = asyncio.Queue()
+        self.written: list[tuple] = []
+        self.ended: list[bool] = []
+        self._remaining = remaining_s
+
+    def remaining(self) -> float:
+        return self._remaining
+
+    async def send_chunk(self, i: int, level: str, payload: bytes) -> int:
+        self.written.append((i, level, payload))
+        return self._ack(i, len(payload) + 40)
+
+    async def send_text(self, i: int, tokens: list[int]) -> int:
+        self.written.append((i, TEXT, tokens))
+        return self._ack(i, 3 * len(tokens) + 20)
+
+    async def end(self, deadline_missed: bool) -> None:
+        self.ended.append(deadline_missed)
+
+    def _ack(self, i: int, nbytes: int) -> int:
+        t = asyncio.get_running_loop().time()
+        self.acks.put_nowait((Ack(self.req, i, nbytes), t + nbytes / self.peer.bandwidth))
+        return nbytes
+
+
+def _send_sizes(chunks: int) -> tuple[dict, dict]:
+    sizes = {"high": [300_000] * chunks, TEXT: [3072] * chunks}
+    return sizes, {"high": 0.01, TEXT: 0.5}
+
+
+async def test_send_chunks_probes_a_new_link_then_sends_every_chunk_in_order_and_ends():
+    chunks = 4
+    served = FakeServedFetch(chunks, mbit(100))
+    sizes, work = _send_sizes(chunks)
+    est = BandwidthEstimator()
+    before, after = [], []
+    done = await send_chunks(
+        served, sizes, lambda i, lv: bytes([i]) * sizes[lv][i], lambda i: [i] * 1024,
+        fixed(["high", TEXT, "high", TEXT]), est, work, {"high": 0.0, TEXT: 0.0},
+        on_sent=lambda i, lv, n: after.append((i, lv, n)), before_send=lambda i, lv: before.append((i, lv)))
+    assert served.peer.probes == [Probe().size]  # no history: probed first
+    assert [(i, lv) for i, lv, _ in served.written] == [(0, "high"), (1, TEXT), (2, "high"), (3, TEXT)]
+    assert served.written[0][2] == bytes([0]) * 300_000 and served.written[1][2] == [1] * 1024
+    assert before == [(i, lv) for i, lv, _ in served.written] == [(i, lv) for i, lv, _ in after]
+    assert done.coded_bytes == 2 * 300_040  # TEXT frames are not counted
+    # send-to-ACK time: the link's share, plus what the loop's clock saw pass while writing
+    assert done.busy_s == pytest.approx(2 * 300_040 / mbit(100) + 2 * 3092 / mbit(100), abs=0.01)
+    assert served.ended == [False] and not done.deadline_missed
+    assert done.sender.levels == ["high", TEXT, "high", TEXT] and len(est.samples) == 3  # probe + 2 CHUNKs
+
+
+async def test_send_chunks_does_not_probe_a_link_with_history():
+    served = FakeServedFetch(2, mbit(100))
+    sizes, work = _send_sizes(2)
+    est = BandwidthEstimator()
+    est.add(1_000_000, 0.0, 1_000_000 / mbit(100))
+    await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1], adaptive_rule,
+                      est, work, {"high": 0.0, TEXT: 0.0})
+    assert served.peer.probes == [] and len(served.written) == 2 and served.ended == [False]
+
+
+async def test_send_chunks_counts_the_deadline_from_the_fetchs_arrival():
+    served = FakeServedFetch(2, mbit(100), remaining_s=-1.0)  # the deadline passed before it began
+    sizes, work = _send_sizes(2)
+    done = await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1],
+                             fixed(["high", "high"]), BandwidthEstimator(), work, {"high": 0.0, TEXT: 0.0})
+    assert served.ended == [True] and done.deadline_missed
 
 
 # --- the comparison on CacheGen-style traces --------------------------------------------------
