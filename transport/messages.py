@@ -25,8 +25,8 @@ BAD_CRC = "bad_crc"  # a CHUNK whose payload does not match its crc32
 BAD_REQUEST = "bad_request"  # a request-id rule broken (see docs/protocol.md, "Requests")
 HANDSHAKE_TIMEOUT = "handshake_timeout"  # the handshake did not finish in time
 NORMAL = "normal"  # an orderly close; not an error
-NOT_FOUND = "not_found"  # request-scoped: the serving side does not hold a requested key
-INTERNAL = "internal"  # request-scoped: the serving side failed while streaming
+NOT_FOUND = "not_found"  # request-scoped: the sender does not hold a requested key
+INTERNAL = "internal"  # request-scoped: the sender failed while streaming
 CONNECTION_LOST = "connection_lost"  # local only, never sent: the transport closed under us
 
 
@@ -143,7 +143,7 @@ class End(Message):
 
 @dataclass(frozen=True)
 class Cancel(Message):
-    """Stop streaming request req; the server answers with END "cancelled"."""
+    """Stop streaming request req; the sender answers with END "cancelled"."""
 
     TYPE: ClassVar[str] = "CANCEL"
     req: int  # the request to stop
