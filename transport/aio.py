@@ -97,8 +97,8 @@ class PeerConnection(asyncio.Protocol):
 
     @property
     def reading_paused(self) -> bool:
-        """True while received chunks nobody has taken exceed max_buffered_bytes, so
-        reading is paused and TCP pushes back on the sending peer."""
+        """True while reading is paused because the connection's receive buffer went over
+        max_buffered_bytes (until it falls to half), so TCP pushes back on the sending peer."""
         return self._reading_paused
 
     @property
@@ -407,6 +407,11 @@ class Server:
         assert self._server is not None
         return self._server.sockets[0].getsockname()[1]
 
+    async def listen(self, host: str, port: int) -> None:
+        """Start accepting on host:port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._new_connection, host, port)
+
     def _new_connection(self) -> PeerConnection:
         peer = PeerConnection("server", self.node_id, self._secret, handler=self._handler,
                               on_lost=self.connections.discard, **self._options)
@@ -444,8 +449,7 @@ async def serve(host: str, port: int, node_id: str, secret: bytes, handler: Hand
     server = Server(node_id, secret, handler, on_connect=on_connect, caps=caps,
                     max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,
                     max_buffered_bytes=max_buffered_bytes)
-    loop = asyncio.get_running_loop()
-    server._server = await loop.create_server(server._new_connection, host, port)
+    await server.listen(host, port)
     return server
 
 
