@@ -63,6 +63,12 @@ class Header:
         return (self.layers, 2, self.tokens, self.heads, self.head_dim)
 
 
+def sink_rows(start: int, sink_tokens: int, tokens: int, transforms: int) -> int:
+    """How many of a chunk's first rows travel exact: those of the profile's sink tokens
+    (positions below sink_tokens) that the chunk holds, where the SINK transform is on."""
+    return min(max(0, sink_tokens - start), tokens) if transforms & SINK else 0
+
+
 def pack(h: Header) -> bytes:
     fixed = _FIXED.pack(MAGIC, VERSION, h.transforms, h.level, DTYPE_CODES[h.dtype], h.layers,
                         h.heads, h.head_dim, h.tokens, h.start, h.profile_id, h.group,

@@ -1,29 +1,26 @@
-"""GPU decode of lane-rANS chunks (the levels' bitstreams, transform RANS).
+"""What only a GPU decode needs: the lane-rANS entropy decode of a whole batch of chunks at
+once, and the pipeline's three CUDA streams (CudaStages).
 
 The entropy decode runs one CUDA thread per lane: the kernel is lane_rans.h -- the very
 source the CPU library is built from -- compiled by NVRTC through CuPy, in a variant whose
 store writes the dequantizer's input (the signed value as float32, NaN for an escape) so that
-decode and dequantize are one pass. Escapes are then filled in order, and the inverse
-transforms run as batched tensor ops on the device: the PCA rotation (the step folded into
-the basis, as on the CPU), RoPE re-rotation of the keys, the exact sink rows, and one
-converting write into the destination tensor.
+decode and dequantize are one pass; the escapes are then filled in order. The inverse
+transforms that follow are codec/decoder.py's, the same on every device.
 
-BatchDecoder(profile, device="cpu") runs the same batching with the C library standing in
-for the kernel, so everything here but the kernel launch is exercised on machines without a
-GPU (tests/test_gpu.py); the kernel itself is checked on a GPU by scripts/gpu_check.sh.
-
-Chunks without the RANS transform (constriction-coded, CacheGen's paper configuration) are
-decoded by the CPU codec and copied in.
+LaneDecoder on device "cpu" runs the same batching with the C library standing in for the
+kernel, so everything here but the kernel launch is exercised on machines without a GPU
+(tests/test_gpu.py); the kernel itself is checked on a GPU by scripts/gpu_check.sh.
 """
 from __future__ import annotations
 
-import threading
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from . import bitstream as bs, cachegen, rans, rope
+from . import bitstream as bs, rans
+from .decoder import Batch, Decoder
 from .errors import CodecError
 from .profile import Profile
 
@@ -79,40 +76,21 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-_kernels: dict = {}
-_kernels_lock = threading.Lock()
+class Kernels:
+    """The decode kernel's two variants for one device, compiled on first use."""
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._compiled: dict[bool, object] = {}
 
-def _kernel(device: torch.device, float_out: bool):
-    key = (device.index, float_out)
-    with _kernels_lock:
-        if key not in _kernels:
+    def get(self, float_out: bool):
+        if float_out not in self._compiled:
             import cupy
 
-            with cupy.cuda.Device(device.index or 0):
+            with cupy.cuda.Device(self.device.index or 0):
                 module = cupy.RawModule(code=kernel_source(float_out))
-                _kernels[key] = module.get_function("lane_rans_decode")
-        return _kernels[key]
-
-
-def _tf32(device: torch.device):
-    """TF32 tensor cores for the inverse-PCA GEMM on a GPU: symbols are small integers (exact
-    in TF32's 10-bit mantissa up to 2048) and the basis loses ~2^-11 relative, about the fp16
-    output's own rounding; in plain fp32 the GEMM alone would cap a 7B-shaped decode near
-    60 GB/s on an H200. No effect on the CPU."""
-    import contextlib
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def scope():
-        prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
-    return scope()
+                self._compiled[float_out] = module.get_function("lane_rans_decode")
+        return self._compiled[float_out]
 
 
 def _as_signed(a: np.ndarray) -> torch.Tensor:
@@ -124,45 +102,13 @@ def _as_signed(a: np.ndarray) -> torch.Tensor:
 # -- the models of one step table, all streams back to back -------------------------------------
 
 @dataclass
-class _Tables:
+class LaneTables:
     """Every (layer, K/V) stream's rANS models for one step table: model s * C + c is
-    component c of stream s = 2 * layer + k_or_v."""
+    component c of stream s = 2 * layer + k_or_v. A Decoder keeps one per step table."""
 
     models: rans.RansModels
     half: torch.Tensor  # float32 [2L, C, 1] on the device
     device: dict = field(default_factory=dict)  # name -> tensor on the device
-    bases: torch.Tensor | None = None  # [L, 2, nb, b, b] step-scaled PCA bases on the device
-    mean_blocks: torch.Tensor | None = None  # [L * 2 * nb, 1, b] PCA means on the device
-
-
-def _build_tables(profile: Profile, steps: np.ndarray, device: torch.device, pca: bool) -> _Tables:
-    per = [profile.rans_models(layer, kv, float(steps[layer, kv]))
-           for layer in range(profile.layers) for kv in range(2)]
-    sizes = np.array([m.cum.size for m in per], np.int64)
-    base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    models = rans.RansModels(
-        half=np.concatenate([m.half for m in per]),
-        alphabet=np.concatenate([m.alphabet for m in per]),
-        cum=np.concatenate([m.cum for m in per]),
-        cum_off=np.concatenate([m.cum_off.astype(np.int64) + b for m, b in zip(per, base)]).astype(np.uint32),
-        bucket=np.concatenate([m.bucket for m in per]))
-    C = len(per[0])
-    t = _Tables(models, torch.from_numpy(models.half.astype(np.float32)).view(2 * profile.layers, C, 1).to(device))
-    if device.type == "cuda":
-        for name in ("cum", "cum_off", "bucket", "alphabet"):
-            t.device[name] = _as_signed(getattr(models, name)).to(device)
-    if pca:
-        table = cachegen._scaled_bases_table(profile, steps)
-        if table is None:  # over the CPU cache's budget: build this one unshared
-            nb, b, _ = profile.basis(0, 0).shape
-            from . import pca as pca_mod
-            table = torch.stack([m.T for layer in range(profile.layers) for kv in range(2)
-                                 for m in pca_mod.scaled_inverse(profile.component_steps(layer, kv, float(steps[layer, kv])),
-                                                                 profile.basis(layer, kv))]).view(profile.layers, 2, nb, b, b)
-        t.bases = table.to(device)
-        nb, b = t.bases.shape[2], t.bases.shape[3]
-        t.mean_blocks = torch.from_numpy(profile.tensors["pca_mean"]).to(torch.float32).reshape(-1, 1, b).to(device)
-    return t
 
 
 # -- a batch -------------------------------------------------------------------------------------
@@ -171,16 +117,15 @@ def _build_tables(profile: Profile, steps: np.ndarray, device: torch.device, pca
 class _Chunk:
     header: bs.Header
     sym_base: int  # where its [2L, C, n] symbols start in the batch's flat buffer
-    group: int  # index into Prepared.groups, or -1: decoded by the CPU codec
+    group: int  # index into Prepared.groups, or -1: not lane-coded (the decoder's CPU path takes it)
     coded: np.ndarray | None = None  # bool [2L, C]
-    data: bytes | memoryview | None = None  # kept for the CPU fallback
 
 
 @dataclass
 class _Group:
-    tables: _Tables
+    tables: LaneTables
     lanes: rans.Lanes
-    word_start: np.ndarray  # int64 [lanes + 1], into Prepared.words
+    word_start: np.ndarray  # int64 [lanes + 1], into words
     lane_where: np.ndarray  # int64 [lanes, 2]: (chunk, stream) of each lane, for error messages
     words: np.ndarray  # uint16: its lanes' words, back to back
     device: dict = field(default_factory=dict)  # the lane arrays on the device
@@ -188,21 +133,20 @@ class _Group:
 
 @dataclass
 class Prepared:
-    """A batch parsed on the host and uploaded: what run() needs."""
+    """A batch's lanes parsed on the host and uploaded: what the entropy decode needs."""
 
     chunks: list[_Chunk]
     groups: list[_Group]
     escaped: torch.Tensor  # float32: every escape's raw value, in the flat buffer's order
     n_sym: int
-    tokens: int
-    dtype: torch.dtype
 
 
-class BatchDecoder:
-    """Decodes the chunks of one context on `device` ("cuda", "cuda:N" or "cpu")."""
+class LaneDecoder:
+    """The entropy decode of a batch of lane-rANS chunks on `device`: the kernel on a GPU,
+    the C library standing in for it on the CPU. Owned by a codec.decoder.Decoder, which
+    keeps its LaneTables and runs the inverse transforms on what it decodes."""
 
     def __init__(self, profile: Profile, device: str | torch.device = "cuda"):
-        self.profile = profile
         self.device = torch.device(device)
         if self.device.type == "cuda":
             ok, why = available()
@@ -210,39 +154,43 @@ class BatchDecoder:
                 raise RuntimeError(f"GPU decode unavailable: {why}")
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
-        self._tables: dict[tuple[bytes, bool], _Tables] = {}
-        self._rope: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.profile = profile
+        self.kernels = Kernels(self.device) if self.device.type == "cuda" else None
 
     # -- host side --------------------------------------------------------------------------
-    def _tables_for(self, h: bs.Header) -> _Tables:
-        pca = bool(h.transforms & bs.PCA)
-        key = (np.ascontiguousarray(h.steps, np.float32).tobytes(), pca)
-        t = self._tables.get(key)
-        if t is None:
-            t = self._tables[key] = _build_tables(self.profile, h.steps, self.device, pca)
+    def tables(self, steps: np.ndarray) -> LaneTables:
+        """Every stream's models of one step table, back to back (and on the device)."""
+        p = self.profile
+        per = [p.rans_models(layer, kv, float(steps[layer, kv])) for layer in range(p.layers) for kv in range(2)]
+        sizes = np.array([m.cum.size for m in per], np.int64)
+        base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        models = rans.RansModels(
+            half=np.concatenate([m.half for m in per]),
+            alphabet=np.concatenate([m.alphabet for m in per]),
+            cum=np.concatenate([m.cum for m in per]),
+            cum_off=np.concatenate([m.cum_off.astype(np.int64) + b for m, b in zip(per, base)]).astype(np.uint32),
+            bucket=np.concatenate([m.bucket for m in per]))
+        C = len(per[0])
+        t = LaneTables(models, torch.from_numpy(models.half.astype(np.float32)).view(2 * p.layers, C, 1).to(self.device))
+        if self.device.type == "cuda":
+            for name in ("cum", "cum_off", "bucket", "alphabet"):
+                t.device[name] = _as_signed(getattr(models, name)).to(self.device)
         return t
 
-    def prepare(self, chunks: list[bytes | memoryview]) -> Prepared:
-        """Parse and validate the chunks (CRC, tables) on the host and upload their words."""
+    def prepare(self, headers: list[bs.Header], tables: list[LaneTables | None]) -> Prepared:
+        """Parse the lane tables of validated chunks (tables[i] None: chunk i is not
+        lane-coded) on the host and upload their words."""
         p = self.profile
         C = p.heads * p.head_dim
         out_chunks: list[_Chunk] = []
         groups: dict[int, dict] = {}
         esc_parts: list[np.ndarray] = []
         n_sym = 0
-        tokens = 0
-        dtype = None
-        for i, data in enumerate(chunks):
-            h, _ = cachegen.read(data, p)
-            dtype = dtype or h.dtype
-            if h.dtype != dtype:
-                raise CodecError(f"chunk {i} is {h.dtype}, the batch {dtype}: one context has one dtype")
-            tokens += h.tokens
+        for i, (h, t) in enumerate(zip(headers, tables)):
             n = h.tokens - h.sink_tokens
-            if not h.transforms & bs.RANS:
-                out_chunks.append(_Chunk(h, n_sym, -1, data=data))
+            if t is None:
+                out_chunks.append(_Chunk(h, n_sym, -1))
                 continue
-            t = self._tables_for(h)
             # One group per step table (a fetch mixes levels); each with its own words, so that
             # its lanes lie back to back: lane l reads words[ws[l]:ws[l + 1]].
             g = groups.setdefault(id(t), {"tables": t, "index": len(groups), "lanes": [], "starts": [],
@@ -266,8 +214,7 @@ class BatchDecoder:
             n_sym += 2 * p.layers * C * n
         built = [self._group(g) for g in sorted(groups.values(), key=lambda g: g["index"])]
         escaped = np.concatenate(esc_parts).astype(np.float32) if esc_parts else np.zeros(0, np.float32)
-        return Prepared(out_chunks, built, torch.from_numpy(escaped).to(self.device), n_sym, tokens,
-                        dtype or torch.float16)
+        return Prepared(out_chunks, built, torch.from_numpy(escaped).to(self.device), n_sym)
 
     def _group(self, g: dict) -> _Group:
         ws = np.append(np.concatenate(g["starts"]), g["n_words"]).astype(np.int64)
@@ -284,7 +231,7 @@ class BatchDecoder:
         return grp
 
     # -- device side ------------------------------------------------------------------------
-    def _entropy_decode(self, prep: Prepared, float_out: bool) -> torch.Tensor:
+    def entropy_decode(self, prep: Prepared, float_out: bool) -> torch.Tensor:
         """The flat symbol buffer: float32 values (NaN at escapes) or int32 indices."""
         dtype = torch.float32 if float_out else torch.int32
         flat = torch.zeros(prep.n_sym, dtype=dtype, device=self.device)
@@ -317,7 +264,7 @@ class BatchDecoder:
         n = len(g.lanes)
         status = torch.empty(n, dtype=torch.int32, device=self.device)
         t = g.tables.device
-        kernel = _kernel(self.device, float_out)
+        kernel = self.kernels.get(float_out)
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream):
             args = [cupy.asarray(a) for a in (g.device["words"], g.device["word_start"], g.device["comp_start"], g.device["rows"],
                                               g.device["comp_model"], g.device["out_off"], t["cum"], t["cum_off"],
@@ -341,87 +288,38 @@ class BatchDecoder:
             vals[~torch.from_numpy(c.coded)] = 0.0
             flat[sl].view(2 * p.layers, C, n).copy_(vals)
 
-    def symbols(self, prep: Prepared) -> list[torch.Tensor]:
-        """Per chunk, the entropy-decoded symbol indices [2L, C, n] (int32; 0 for components
-        not coded) as the device computed them: the figure to compare with cpu_symbols."""
-        p = self.profile
-        C = p.heads * p.head_dim
-        flat = self._entropy_decode(prep, float_out=False)
-        out = []
-        for c in prep.chunks:
-            n = c.header.tokens - c.header.sink_tokens
-            out.append(flat[c.sym_base:c.sym_base + 2 * p.layers * C * n].view(2 * p.layers, C, n)
-                       if c.group >= 0 else None)
-        return out
-
-    def run(self, prep: Prepared, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode a prepared batch into out [L, 2, tokens, H, D] (allocated on the device in the
-        chunks' dtype when not given); returns out."""
-        p = self.profile
-        L, H, D = p.layers, p.heads, p.head_dim
-        C = H * D
-        if out is None:
-            out = torch.empty((L, 2, prep.tokens, H, D), dtype=prep.dtype, device=self.device)
-        elif out.shape != (L, 2, prep.tokens, H, D):
-            raise ValueError(f"out is {tuple(out.shape)}, the batch decodes to {(L, 2, prep.tokens, H, D)}")
-        flat = self._entropy_decode(prep, float_out=True)
+    def values(self, prep: Prepared) -> torch.Tensor:
+        """The flat buffer of signed values (float32), escapes filled: what the inverse
+        transforms take. Holds the batch's one synchronisation (the escape count)."""
+        flat = self.entropy_decode(prep, float_out=True)
         esc = torch.isnan(flat)
-        n_esc = int(esc.sum())  # the batch's one synchronisation
+        n_esc = int(esc.sum())
         if n_esc != prep.escaped.numel():
             raise CodecError(f"batch holds {prep.escaped.numel()} escaped values for {n_esc} escape symbols")
         if n_esc:
             flat[esc] = prep.escaped
-        t0 = 0
-        for c in prep.chunks:
-            h = c.header
-            dst = out[:, :, t0:t0 + h.tokens]
-            t0 += h.tokens
-            if c.group < 0:
-                dst.copy_(cachegen.decode(c.data, p), non_blocking=True)
-                continue
-            n = h.tokens - h.sink_tokens
-            sym = flat[c.sym_base:c.sym_base + 2 * L * C * n].view(L, 2, C, n)
-            tables = prep.groups[c.group].tables
-            if h.transforms & bs.PCA:
-                nb, b = tables.bases.shape[2], tables.bases.shape[3]
-                y = sym.view(L * 2 * nb, b, n).transpose(-1, -2)  # [blocks, n, b] components
-                with _tf32(self.device):  # the CPU's addmm, batched, the mean added by the GEMM
-                    x = torch.baddbmm(tables.mean_blocks, y, tables.bases.view(-1, b, b).transpose(-1, -2))
-                x = x.view(L, 2, nb, n, b)
-                x = (x.permute(0, 1, 3, 2, 4) if nb > 1 else x).reshape(L, 2, n, C)  # one block: no copy
-            else:
-                steps = torch.from_numpy(h.steps).to(self.device).view(L, 2, 1, 1)
-                x = sym.transpose(-1, -2) * steps
-            x = x.view(L, 2, n, H, D)
-            if h.transforms & bs.UNROTATE_KEYS:
-                # keys * cos + rotate_half(keys) * sin, in two passes and no concatenations
-                cos, sin = self._rerotation(h.start + h.sink_tokens, n)
-                keys = x[:, 0]
-                half = D // 2
-                rotated = keys * cos
-                rotated[..., :half].addcmul_(keys[..., half:], sin[..., :half])
-                rotated[..., half:].addcmul_(keys[..., :half], sin[..., half:])
-                dst[:, 0, h.sink_tokens:].copy_(rotated)
-                dst[:, 1, h.sink_tokens:].copy_(x[:, 1])
-            else:
-                dst[:, :, h.sink_tokens:].copy_(x)
-            if h.sink_tokens:
-                raw = torch.frombuffer(bytearray(h.sink), dtype=h.dtype).view(L, 2, h.sink_tokens, H, D)
-                dst[:, :, :h.sink_tokens].copy_(raw)
-        return out
+        return flat
 
-    def _rerotation(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (start, n)
-        if key not in self._rope:
-            if len(self._rope) > 256:
-                self._rope.clear()
-            cos, sin = rope._rerotation(start, n, self.profile.heads, self.profile.head_dim,
-                                        float(self.profile.rope_theta))
-            self._rope[key] = (cos.to(self.device), sin.to(self.device))
-        return self._rope[key]
+    def chunk_values(self, prep: Prepared, i: int, flat: torch.Tensor) -> torch.Tensor:
+        """Chunk i's values [2L, C, n], a view into values()' buffer."""
+        c = prep.chunks[i]
+        p = self.profile
+        C = p.heads * p.head_dim
+        n = c.header.tokens - c.header.sink_tokens
+        return flat[c.sym_base:c.sym_base + 2 * p.layers * C * n].view(2 * p.layers, C, n)
 
-    def decode(self, chunks: list[bytes | memoryview], out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.run(self.prepare(chunks), out)
+    def symbols(self, prep: Prepared) -> list[torch.Tensor | None]:
+        """Per chunk, the entropy-decoded symbol indices [2L, C, n] (int32; 0 for components
+        not coded) as the device computed them, None for a chunk not lane-coded."""
+        flat = self.entropy_decode(prep, float_out=False)
+        return [self.chunk_values(prep, i, flat) if c.group >= 0 else None for i, c in enumerate(prep.chunks)]
+
+
+def device_decoder(profile: Profile, device: str | torch.device = "cuda") -> Decoder:
+    """A codec.decoder.Decoder on `device` whose entropy decode is a LaneDecoder's: the kernel
+    on a GPU, the C library standing in for it on "cpu"."""
+    lanes = LaneDecoder(profile, device)
+    return Decoder(profile, lanes.device, lanes=lanes)
 
 
 def _concat_lanes(parts: list[rans.Lanes]) -> rans.Lanes:
@@ -435,10 +333,12 @@ def _concat_lanes(parts: list[rans.Lanes]) -> rans.Lanes:
                       np.concatenate([ln.comp_model for ln in parts]), np.concatenate([ln.out_off for ln in parts]))
 
 
-def cpu_symbols(chunk: bytes | memoryview, profile: Profile) -> torch.Tensor:
+def cpu_symbols(chunk: bytes | memoryview, profile) -> torch.Tensor:
     """The entropy-decoded symbol indices [2L, C, n] of one chunk from the CPU library (0 for
-    components not coded): what BatchDecoder.symbols must reproduce bit for bit."""
-    h, profile = cachegen.read(chunk, profile)
+    components not coded): what LaneDecoder.symbols must reproduce bit for bit."""
+    h = bs.unpack(chunk)
+    if h.profile_id != profile.id:
+        raise CodecError(f"chunk was coded with profile {h.profile_id.hex()}, not {profile.id.hex()}")
     if not h.transforms & bs.RANS:
         raise CodecError("chunk is not lane-rANS coded")
     C = profile.heads * profile.head_dim
@@ -459,14 +359,14 @@ def cpu_symbols(chunk: bytes | memoryview, profile: Profile) -> torch.Tensor:
 
 @dataclass
 class Staged:
-    """A chunk on its way through StreamStages."""
+    """A chunk on its way through CudaStages."""
 
-    prep: Prepared
+    prep: Batch | None  # the chunk parsed and, on a GPU, uploaded
     ready: object = None  # torch.cuda.Event recorded when the stage that made it finished
     kv: torch.Tensor | None = None  # [L, 2, T, H, D] on the device, once decoded
 
 
-class StreamStages:
+class CudaStages:
     """Receive, decode and fill as three CUDA streams with events between them, so that the
     upload of chunk i+1, the decode of chunk i and the copy of chunk i-1 overlap on the
     device; each call returns once its work is queued (decode() waits for its one check).
@@ -479,13 +379,14 @@ class StreamStages:
     """
 
     def __init__(self, profile: Profile, device: str | torch.device = "cuda"):
-        self.decoder = BatchDecoder(profile, device)
+        # On the CPU too the lanes are decoded as one batch (the C library standing in for the
+        # kernel), so that the stages behave as on a GPU.
+        self.decoder = device_decoder(profile, device)
         self.device = self.decoder.device
         cuda = self.device.type == "cuda"
         self.streams = {name: torch.cuda.Stream(self.device) for name in ("receive", "decode", "fill")} if cuda else {}
 
     def _on(self, name: str):
-        import contextlib
         return torch.cuda.stream(self.streams[name]) if self.streams else contextlib.nullcontext()
 
     def _event(self, name: str):
@@ -497,14 +398,15 @@ class StreamStages:
 
     def receive(self, payload: bytes | memoryview) -> Staged:
         with self._on("receive"):
-            prep = self.decoder.prepare([payload])
-        return Staged(prep, self._event("receive"))
+            batch = self.decoder.prepare([payload])
+        return Staged(batch, self._event("receive"))
 
     def decode(self, staged: Staged) -> Staged:
         with self._on("decode"):
             if self.streams:
                 self.streams["decode"].wait_event(staged.ready)
-                _record_prepared(staged.prep, self.streams["decode"])
+                if staged.prep.lanes is not None:
+                    _record_prepared(staged.prep.lanes, self.streams["decode"])
             staged.kv = self.decoder.run(staged.prep)
         staged.ready = self._event("decode")
         return staged

@@ -21,7 +21,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from . import bitstream as bs, cachegen, levels, profile as profiles
+from . import bitstream as bs, cachegen, decoder, levels, profile as profiles
 from .profile import Profile
 
 
@@ -38,11 +38,11 @@ def _init_worker(profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     torch.set_num_threads(1)
     known = [profiles.register(Profile.load(p)) for p in profile_paths] + profiles.shipped()
-    # Any worker may get any substream, so each builds all models up front rather than
-    # stalling the first chunks that reach it.
+    # Any worker may get any substream, so each builds its decoders' tables up front rather
+    # than stalling the first chunks that reach it.
     for prof in known:
         for level in warm_levels:
-            cachegen.warm(prof, level)
+            decoder.for_profile(prof).warm(level)
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -94,14 +94,12 @@ def _worker_map(name: str, size: int) -> mmap.mmap:
     return mm
 
 
-def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: list[int]) -> None:
+def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: range) -> None:
     mm = _worker_map(name, size)
     # decode_many checked the CRC of these bytes before it wrote them here
-    h, profile = cachegen.read(memoryview(mm)[out_bytes:out_bytes + data_len], check_crc=False)
+    h, profile = decoder.read(memoryview(mm)[out_bytes:out_bytes + data_len], check_crc=False)
     out = torch.frombuffer(mm, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
-    for s in streams:
-        layer, k_or_v = divmod(s, 2)
-        cachegen.decode_stream_into(h, s, profile, out[layer, k_or_v, h.sink_tokens:])
+    decoder.for_profile(profile).decode_streams(h, streams, out)
     del out, h
 
 
@@ -157,7 +155,7 @@ def _unlink(name: str) -> None:
 
 
 def _encode_part(name: str, shape: tuple, dtype_code: int, level: str, profile_id: bytes, start: int,
-                 sink_rows: int, streams: list[int]) -> list[bytes]:
+                 sink_rows: int, streams: range) -> list[bytes]:
     shm = _attach(name)
     try:
         kv = torch.frombuffer(shm.buf, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
@@ -184,8 +182,9 @@ class CodecPool:
         # Start the workers now (spawn + warm-up take seconds), not inside the first request.
         cf.wait([self._pool.submit(os.getpid) for _ in range(self.workers)])
 
-    def _split(self, n: int) -> list[list[int]]:
-        return [list(part) for part in np.array_split(np.arange(n), self.workers) if len(part)]
+    def _split(self, n: int) -> list[range]:
+        """Streams 0..n in one consecutive run per worker."""
+        return [range(int(part[0]), int(part[-1]) + 1) for part in np.array_split(np.arange(n), self.workers) if len(part)]
 
     def decode(self, data: bytes | memoryview, profile: Profile | None = None) -> torch.Tensor:
         return self.decode_many([data], profile)[0]
@@ -193,7 +192,7 @@ class CodecPool:
     def decode_many(self, chunks: list[bytes | memoryview], profile: Profile | None = None) -> list[torch.Tensor]:
         """Decode several chunks at once: every worker stays busy across chunk boundaries,
         which is how a fetch's decode stage sees them. Validation happens before any work."""
-        headers = [cachegen.read(data, profile)[0] for data in chunks]
+        headers = [decoder.read(data, profile)[0] for data in chunks]
         taken, futures = [], []
         try:
             for data, h in zip(chunks, headers):
@@ -219,7 +218,7 @@ class CodecPool:
             arr = np.frombuffer(mm, np.uint8, count=out_bytes)
             weakref.finalize(arr, self._arena.give, name, mm)
             out = torch.from_numpy(arr).view(h.dtype).view(h.shape)
-            cachegen.fill_sink(h, out)
+            decoder.fill_sink(h, out)
             results.append(out)
         return results
 
@@ -236,7 +235,7 @@ class CodecPool:
         try:
             np.frombuffer(shm.buf, np.uint8, count=raw.nbytes)[:] = raw
             L, _, T, H, D = kv.shape
-            ns = cachegen._sink_rows(start, profile.sink_tokens, T, lv.transforms)  # noqa: SLF001
+            ns = bs.sink_rows(start, profile.sink_tokens, T, lv.transforms)
             futures = [self._pool.submit(_encode_part, shm.name, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
                                          lv.name, profile.id, start, ns, part) for part in self._split(2 * L)]
             subs = [s for f in futures for s in f.result()]

@@ -26,38 +26,33 @@ def forward(x: torch.Tensor, mean: torch.Tensor, bases: torch.Tensor) -> torch.T
     return torch.bmm(xc, bases).transpose(0, 1).reshape(x.shape[0], nb * b)
 
 
-def inverse(y: torch.Tensor, mean: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
-    """[T, C] components -> [T, C] channels."""
+def scaled_bases(steps: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
+    """[blocks, b, b]: each block's basis with column c scaled by the step of component c --
+    the transpose of the inverse's GEMM operand (to_channels), kept contiguous: the layout
+    the GEMM has always been given, which decides how it rounds. Depends only on the stream and
+    its step, so decoders keep it."""
     nb, b, _ = bases.shape
-    yb = y.view(-1, nb, b).transpose(0, 1)
-    return torch.bmm(yb, bases.transpose(1, 2)).transpose(0, 1).reshape(y.shape[0], nb * b) + mean
+    return bases * steps.view(nb, 1, b)
 
 
-def inverse_into(out: torch.Tensor, symbols: torch.Tensor, steps: torch.Tensor, mean: torch.Tensor,
-                 bases: torch.Tensor) -> None:
-    """out [T, C] = component-major symbols [C, T] times their steps [C], rotated back, plus the mean.
-
-    The decoder's hot path: step and the transpose fold into one GEMM per block, written
-    straight into the destination."""
-    inverse_scaled_into(out, symbols, mean, scaled_inverse(steps, bases))
-
-
-def scaled_inverse(steps: torch.Tensor, bases: torch.Tensor) -> list[torch.Tensor]:
-    """Per block, the GEMM operand of inverse_into: the basis transposed, row c scaled by the
-    step of component c -- a transposed view of a contiguous tensor (the layout the GEMM has
-    always been given: it decides how the GEMM rounds). Depends only on the stream and its
-    step, so decoders cache it."""
-    nb, b, _ = bases.shape
-    return [(bases[i] * steps[i * b:(i + 1) * b]).T for i in range(nb)]
-
-
-def inverse_scaled_into(out: torch.Tensor, symbols: torch.Tensor, mean: torch.Tensor,
-                        scaled: list[torch.Tensor]) -> None:
-    """inverse_into with the operands of scaled_inverse."""
-    if len(scaled) == 1:
-        torch.addmm(mean, symbols.T, scaled[0], out=out)
-        return
-    b = scaled[0].shape[0]
-    for i, m in enumerate(scaled):
-        blk = slice(i * b, (i + 1) * b)
-        out[:, blk] = torch.addmm(mean[blk], symbols[blk].T, m)
+def to_channels(symbols: torch.Tensor, means: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+    """The inverse rotation of S streams at once: component-major symbols [S, C, T] (float32)
+    times their steps, rotated back, plus the mean -> channels [S, T, C]. means [S * blocks, 1,
+    b] and scaled [S * blocks, b, b] (scaled_bases) on the symbols' device: one batched GEMM
+    with the step, the transpose and the mean folded in."""
+    S, C, n = symbols.shape
+    b = scaled.shape[-1]
+    nb = C // b
+    y = symbols.view(S * nb, b, n).transpose(-1, -2)  # [blocks, T, b]
+    w = scaled.transpose(-1, -2)
+    if symbols.device.type == "cpu" and n * b * b < 400:
+        # torch's CPU baddbmm takes a naive loop below this size, which rounds unlike the
+        # BLAS GEMM that decodes every other chunk: block by block, as chunks always were.
+        x = torch.empty((S * nb, n, b), dtype=torch.float32)
+        for i in range(S * nb):
+            torch.addmm(means[i, 0], y[i], w[i], out=x[i])
+    else:
+        x = torch.baddbmm(means, y, w)
+    if nb == 1:
+        return x.view(S, n, C)
+    return x.view(S, nb, n, b).permute(0, 2, 1, 3).reshape(S, n, C)

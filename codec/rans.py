@@ -394,11 +394,13 @@ def parse_block(data: bytes | memoryview, rows: int, n_comp: int) -> Block:
     return Block(coded, escaped, block_lanes(coded_idx, rows, per_lane), word_start, words)
 
 
-def decode_block(data: bytes | memoryview, rows: int, models: RansModels) -> tuple[np.ndarray, np.ndarray]:
-    """Substream bytes -> (symbols [C, rows] int32 signed, coded mask [C])."""
+def decode_block(data: bytes | memoryview, rows: int, models: RansModels,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Substream bytes -> (symbols [C, rows] int32 signed, coded mask [C]); the symbols are
+    written into out (C-contiguous int32 [C, rows]) where one is given."""
     c = len(models)
     b = parse_block(data, rows, c)
-    symbols = np.empty((c, rows), dtype=np.int32)
+    symbols = np.empty((c, rows), dtype=np.int32) if out is None else out
     if not b.coded.all():
         symbols[~b.coded] = 0
     if len(b.lanes):

@@ -10,14 +10,16 @@ from functools import lru_cache
 import torch
 
 
-@lru_cache(maxsize=64)
-def _cos_sin(start: int, n: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, 1, head_dim/2] cos and sin of positions start..start+n (cached: every layer of a
-    chunk uses the same ones)."""
+def angles(start: int, n: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, 1, head_dim/2] float32 cos and sin of positions start..start+n."""
     # float64 angles: positions up to ~1e5 times frequencies near 1 lose precision in fp32.
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.arange(start, start + n, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().to(torch.float32)[:, None, :], angles.sin().to(torch.float32)[:, None, :]
+    a = torch.arange(start, start + n, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return a.cos().to(torch.float32)[:, None, :], a.sin().to(torch.float32)[:, None, :]
+
+
+# The encoder un-rotates every key stream of a chunk at the same positions.
+_cos_sin = lru_cache(maxsize=64)(angles)
 
 
 def _rotate(x: torch.Tensor, start: int, theta: float, sign: float) -> torch.Tensor:
@@ -41,28 +43,26 @@ def rerotate(keys: torch.Tensor, start: int, theta: float) -> torch.Tensor:
     return _rotate(keys, start, theta, 1.0)
 
 
-@lru_cache(maxsize=2)
-def _rerotation(start: int, n: int, heads: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rerotation(start: int, n: int, heads: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, heads, head_dim] float32 (cos, cos) and (-sin, sin), laid out like the keys so the
     decoder's multiplies run over plain contiguous memory (broadcasting over heads is slower).
-    Few are kept: all key streams of a chunk share one."""
-    cos, sin = _cos_sin(start, n, head_dim, theta)
+    Every key stream of a chunk shares one: decoders keep them (codec.decoder)."""
+    cos, sin = angles(start, n, head_dim, float(theta))
     shape = (n, heads, head_dim)
     return (torch.cat([cos, cos], -1).expand(shape).contiguous(),
             torch.cat([-sin, sin], -1).expand(shape).contiguous())
 
 
-def rerotate_into(keys: torch.Tensor, start: int, theta: float, out: torch.Tensor,
-                  scratch: torch.Tensor | None = None) -> None:
-    """out = rerotate(keys, start, theta), written in out's dtype with a single rounding. keys
-    is overwritten (out may be keys itself); scratch, if given, is a float32 buffer of keys'
-    size to work in. The decoder's path: the same products and sums as _rotate -- x1*cos -
-    x2*sin is exactly x1*cos + x2*(-sin) -- so the values are bit-identical."""
-    n, heads, head_dim = keys.shape
-    half = head_dim // 2
-    cos, sin = _rerotation(start, n, heads, head_dim, float(theta))
-    b = torch.empty_like(keys) if scratch is None else scratch.view(keys.shape)
-    torch.mul(keys[..., half:], sin[..., :half], out=b[..., :half])
-    torch.mul(keys[..., :half], sin[..., half:], out=b[..., half:])
+def rerotate_into(keys: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
+                  scratch: torch.Tensor) -> None:
+    """out = rerotate(keys, start, theta) for keys [..., n, heads, head_dim] float32 (any
+    number of streams) and tables = rerotation(start, n, ...) on keys' device, written in out's
+    dtype with a single rounding. keys is overwritten; scratch is a float32 buffer of keys'
+    shape to work in. The same products and sums as _rotate -- x1*cos - x2*sin is exactly
+    x1*cos + x2*(-sin) -- so the values are bit-identical."""
+    half = keys.shape[-1] // 2
+    cos, sin = tables
+    torch.mul(keys[..., half:], sin[..., :half], out=scratch[..., :half])
+    torch.mul(keys[..., :half], sin[..., half:], out=scratch[..., half:])
     keys.mul_(cos)
-    torch.add(keys, b, out=out)
+    torch.add(keys, scratch, out=out)

@@ -79,7 +79,7 @@ step "pytest tests/test_rans.py tests/test_gpu.py" 120 \
 # --device cuda: on a machine where the GPU path is unusable this fails at once, with the
 # reason, instead of benchmarking the CPU stand-in.
 step "benchmark -> $OUT/gpu_bench.json" 200 \
-    "$PYTHON" -m kvstreamd.bench.gpu --device cuda --quiet --json "$OUT/gpu_bench.json"
+    "$PYTHON" -m kvstreamd.cli bench gpu --device cuda --quiet --json "$OUT/gpu_bench.json"
 
 echo "== done in ${SECONDS}s"
 if ((${#failed[@]})); then

@@ -1,5 +1,5 @@
 """`kvstreamd bench gpu` at a toy size on the CPU (the C library standing in for the CUDA
-kernel): it runs as `python -m kvstreamd.bench.gpu`, writes the report scripts/gpu_check.sh
+kernel): it runs as `python -m kvstreamd.cli bench gpu`, writes the report scripts/gpu_check.sh
 collects, and checks the batch decoder against the CPU codec; and its synthetic KV carries the
 statistics it claims."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("bench_gpu") / "gpu_bench.json"
-    res = subprocess.run([sys.executable, "-m", "kvstreamd.bench.gpu", *TINY, "--json", str(path)], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "bench", "gpu", *TINY, "--json", str(path)], cwd=ROOT,
                          env=_env(), capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return json.loads(path.read_text())

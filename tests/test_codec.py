@@ -180,6 +180,47 @@ def test_kv_of_another_model_shape_is_rejected(small_profile):
         codec.encode(torch.zeros(2, 2, 4, 2, 8), "high", small_profile)
 
 
+# -- the decoder object -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mixed(small_profile) -> list[bytes]:
+    """One context's chunks at every level and start, the first with the sink token."""
+    kv = synthetic_kv(120, 17).to(torch.float16)
+    plan = [(0, 30, "high"), (30, 70, "fast"), (70, 101, "balanced"), (101, 120, "cachegen-paper")]
+    return [codec.encode(kv[:, :, a:b].contiguous(), lv, small_profile, start=a) for a, b, lv in plan]
+
+
+def test_a_decoder_gives_codec_decode_bit_for_bit_one_chunk_or_many(small_profile, mixed):
+    want = [codec.decode(c) for c in mixed]
+    dec = codec.Decoder(small_profile)
+    for c, w in zip(mixed, want):
+        assert torch.equal(dec.decode(c), w)
+    assert torch.equal(dec.decode_many(mixed), torch.cat(want, dim=2))
+
+
+def test_decoding_does_not_depend_on_what_was_decoded_before(small_profile, mixed):
+    first = codec.Decoder(small_profile).decode(mixed[1])
+    warm = codec.Decoder(small_profile)
+    for c in mixed[::-1] + mixed:
+        warm.decode(c)
+    assert torch.equal(warm.decode(mixed[1]), first)
+
+
+def test_bases_over_the_table_budget_are_scaled_per_slab_to_the_same_tensor(small_profile, mixed, monkeypatch):
+    from codec import decoder
+    want = codec.Decoder(small_profile).decode_many(mixed)
+    monkeypatch.setitem(decoder.TABLE_BUDGET, "cpu", 0)
+    monkeypatch.setattr(decoder, "CPU_SLAB_BYTES", 1)  # and one stream at a time
+    dec = codec.Decoder(small_profile)
+    assert torch.equal(dec.decode_many(mixed), want)
+    assert all(t.bases is None for t in dec._tables.values())
+
+
+def test_a_decoder_refuses_a_chunk_of_another_profile(small_profile, mixed):
+    other = profiles.Profile(dict(small_profile.meta, source="another"), dict(small_profile.tensors))
+    with pytest.raises(codec.CodecError, match="profile"):
+        codec.Decoder(other).decode(mixed[0])
+
+
 # -- parallel ---------------------------------------------------------------------------------
 def test_pool_matches_single_process_and_leaves_no_shared_memory(small_profile):
     before = set(os.listdir("/dev/shm"))

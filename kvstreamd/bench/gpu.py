@@ -98,10 +98,7 @@ class SyntheticKV:
                 table = self.tables[layer, kv]
                 z = torch.lerp(table[lo], table[lo + 1], u - lo)
                 x = torch.addmm(self.mean[layer, kv], z * self.sigma[layer, kv], self.bases[layer, kv].T)
-                if kv == 0:
-                    rope.rerotate_into(x.view(tokens, H, D), start, ROPE_THETA, out[layer, kv])
-                else:
-                    out[layer, kv] = x.view(tokens, H, D)
+                out[layer, kv] = rope.rerotate(x.view(tokens, H, D), start, ROPE_THETA) if kv == 0 else x.view(tokens, H, D)
         return out
 
     def fit(self, tokens: int, chunk_tokens: int, seed: int) -> profiles.Profile:
@@ -166,13 +163,13 @@ def run(layers: int = 32, heads: int = 8, head_dim: int = 128, tokens: int = 819
         log(f"{tokens} tokens at {level}: {bits:.3f} bits/element, {sum(map(len, chunks)) / 2**20:.1f} MiB "
             f"in {len(chunks)} chunks, encoded in {encode_s:.1f} s")
 
-        dec = gpu.BatchDecoder(prof, device=device)
+        dec = gpu.device_decoder(prof, device)
         prep = dec.prepare(chunks)
         del synth  # its bases are a quarter GiB at the default shape
         for _ in range(2):  # first calls compile kernels and size allocators
             out = dec.run(prep)
             del out
-            dec.decode(chunks)
+            dec.decode_many(chunks)
         sync()
         runs = []
         def timed(fn, *args) -> float:
@@ -185,7 +182,7 @@ def run(layers: int = 32, heads: int = 8, head_dim: int = 128, tokens: int = 819
             return dt
 
         for rep in tqdm(range(reps), desc="decode", disable=not progress):
-            run_s, decode_s = timed(dec.run, prep), timed(dec.decode, chunks)
+            run_s, decode_s = timed(dec.run, prep), timed(dec.decode_many, chunks)
             runs.append({"rep": rep, "run_s": round(run_s, 6), "run_GBps": round(out_bytes / run_s / 1e9, 4),
                          "decode_s": round(decode_s, 6), "decode_GBps": round(out_bytes / decode_s / 1e9, 4)})
 
@@ -245,11 +242,3 @@ def summary(report: dict) -> str:
             f"symbols bit-identical to the C library: {report['symbols_identical']}, "
             f"max relative error vs codec.decode {report['max_rel_err']:.2e}")
 
-
-if __name__ == "__main__":
-    # The same options as `kvstreamd bench gpu`, without the package's optional dependencies.
-    import sys
-
-    from kvstreamd import cli
-
-    sys.exit(cli.main(["bench", "gpu", *sys.argv[1:]]))
