@@ -23,15 +23,15 @@ KEYS = list(PAYLOADS)
 
 def streaming_handler(pace: bool = False, cancelled: asyncio.Event | None = None, acks: list | None = None):
     """Streams PAYLOADS[key] for each key as CHUNKs; with pace, waits for each ACK first."""
-    async def handler(stream: aio.ServedFetch, fetch) -> None:
+    async def handler(served: aio.ServedFetch, fetch) -> None:
         try:
             for i, key in enumerate(fetch.keys):
-                size = await stream.send_chunk(i, "high", PAYLOADS[key])
+                size = await served.send_chunk(i, "high", PAYLOADS[key])
                 if pace or acks is not None:
-                    ack, _ = await stream.acks.get()
+                    ack, _ = await served.acks.get()
                     if acks is not None:
                         acks.append((ack, size))
-            await stream.end()
+            await served.end()
         except asyncio.CancelledError:
             if cancelled is not None:
                 cancelled.set()
@@ -136,32 +136,32 @@ async def test_oversize_frame_closes_only_that_connection(after_handshake):
 async def test_garbage_bytes_close_only_that_connection(server, after_handshake):
     async with asyncio.timeout(LIMIT):
         good = await aio.connect(HOST, server.port, "good", SECRET)
-        stream = good.fetch(KEYS[:5], 5000, ["high"])
-        first = await anext(stream)  # mid-stream when the garbage arrives
+        call = good.fetch(KEYS[:5], 5000, ["high"])
+        first = await anext(call)  # mid-call when the garbage arrives
         reader, writer, _ = await raw_client(server.port, handshake=after_handshake)
         writer.write(b"\x00\x00\x00\x08GARBAGE!")
         got = await frames_until_eof(reader)
         assert got[-1]["t"] == "ERROR" and got[-1]["code"] == BAD_FRAME
         writer.close()
-        assert_complete([first] + [m async for m in stream], KEYS[:5])
+        assert_complete([first] + [m async for m in call], KEYS[:5])
         good.close()
 
 
 async def test_server_dropping_a_connection_mid_stream_fails_only_that_fetch():
     victim_cut = asyncio.Event()
 
-    async def handler(stream: aio.ServedFetch, fetch) -> None:
-        if stream.peer.peer_node_id == "bystander":
-            await stream.send_chunk(0, "high", PAYLOADS[fetch.keys[0]])
+    async def handler(served: aio.ServedFetch, fetch) -> None:
+        if served.peer.peer_node_id == "bystander":
+            await served.send_chunk(0, "high", PAYLOADS[fetch.keys[0]])
             await victim_cut.wait()  # the bystander is mid-stream when the victim is cut
             for i, key in enumerate(fetch.keys[1:], 1):
-                await stream.send_chunk(i, "high", PAYLOADS[key])
-            await stream.end()
+                await served.send_chunk(i, "high", PAYLOADS[key])
+            await served.end()
             return
         for i in range(2):
-            await stream.send_chunk(i, "high", PAYLOADS[fetch.keys[i]])
-            await stream.acks.get()
-        stream.peer.abort()  # as if the serving process died
+            await served.send_chunk(i, "high", PAYLOADS[fetch.keys[i]])
+            await served.acks.get()
+        served.peer.abort()  # as if the serving process died
         victim_cut.set()
         await asyncio.Event().wait()  # cancelled: the connection is gone
 
@@ -210,11 +210,11 @@ async def test_cancel_stops_the_stream_at_once_and_the_connection_stays_usable()
         async with await aio.serve(HOST, 0, "srv", SECRET,
                                    streaming_handler(pace=True, cancelled=cancelled)) as srv:
             peer = await aio.connect(HOST, srv.port, "cli", SECRET)
-            stream = peer.fetch(KEYS[:20], 5000, ["high"])
-            first = await anext(stream)
-            await stream.cancel()
+            call = peer.fetch(KEYS[:20], 5000, ["high"])
+            first = await anext(call)
+            await call.cancel()
             with pytest.raises(aio.FetchCancelled):
-                await anext(stream)
+                await anext(call)
             await cancelled.wait()  # the server's handler saw it
             assert first.i == 0
             assert_complete(await fetch_all(peer, KEYS[20:23]), KEYS[20:23])
@@ -233,11 +233,11 @@ async def test_every_chunk_is_acked_with_its_wire_size():
 
 
 async def test_handler_failure_ends_only_that_request():
-    async def handler(stream: aio.ServedFetch, fetch) -> None:
+    async def handler(served: aio.ServedFetch, fetch) -> None:
         if fetch.keys[0] == b"bad":
             raise RuntimeError("disk on fire")
-        await stream.send_text(0, [1, 2, 3])
-        await stream.end()
+        await served.send_text(0, [1, 2, 3])
+        await served.end()
 
     async with asyncio.timeout(LIMIT):
         async with await aio.serve(HOST, 0, "srv", SECRET, handler) as srv:
@@ -262,9 +262,9 @@ async def test_fetch_from_a_node_without_handler_is_not_found():
 async def test_a_passed_deadline_is_reported(server):
     async with asyncio.timeout(LIMIT):
         peer = await aio.connect(HOST, server.port, "cli", SECRET)
-        stream = peer.fetch(KEYS[:2], 0, ["high"])
-        assert_complete([m async for m in stream], KEYS[:2])
-        assert stream.end is not None and stream.end.deadline_missed
+        call = peer.fetch(KEYS[:2], 0, ["high"])
+        assert_complete([m async for m in call], KEYS[:2])
+        assert call.end is not None and call.end.deadline_missed
         peer.close()
 
 
@@ -283,18 +283,18 @@ async def test_twenty_concurrent_streams_on_four_connections_deliver_every_byte(
 async def test_a_fetcher_that_does_not_read_pushes_back_on_the_sender(server):
     async with asyncio.timeout(LIMIT):
         peer = await aio.connect(HOST, server.port, "cli", SECRET, max_buffered_bytes=300_000)
-        stream = peer.fetch(KEYS[:20], 5000, ["high"])
+        call = peer.fetch(KEYS[:20], 5000, ["high"])
         while not peer.reading_paused:  # nobody reads: reading stops, TCP fills up
             await asyncio.sleep(0.005)
-        assert_complete([m async for m in stream], KEYS[:20])
+        assert_complete([m async for m in call], KEYS[:20])
         assert not peer.reading_paused
         peer.close()
 
 
 async def test_either_side_can_serve_fetches(server):
-    async def client_handler(stream: aio.ServedFetch, fetch) -> None:
-        await stream.send_text(0, [42])
-        await stream.end()
+    async def client_handler(served: aio.ServedFetch, fetch) -> None:
+        await served.send_text(0, [42])
+        await served.end()
 
     async with asyncio.timeout(LIMIT):
         peer = await aio.connect(HOST, server.port, "cli", SECRET, handler=client_handler)

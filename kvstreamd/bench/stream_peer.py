@@ -117,7 +117,7 @@ async def fetch(args) -> None:
         # when the data was prepared), so it can weigh decode time against link time.
         chunk_mb = manifest["chunks"][0]["bytes"]["fp16"] / 1e6
         decode_mbps = chunk_mb / statistics.median(c["decode_s"]["balanced"] for c in manifest["chunks"])
-        stream = peer.fetch(keys, args.deadline_ms, levels, decode_mbps=decode_mbps)
+        call = peer.fetch(keys, args.deadline_ms, levels, decode_mbps=decode_mbps)
         decoded: list[asyncio.Future] = []
         got, nbytes = [], 0
 
@@ -132,7 +132,7 @@ async def fetch(args) -> None:
             _, full = await asyncio.to_thread(models.prefill, lm, tokens, kv, all_logits=False)
             return full[:, :, full.shape[2] - len(tokens):]
 
-        async for msg in stream:
+        async for msg in call:
             if hasattr(msg, "payload"):
                 nbytes += len(msg.payload)
                 got.append(msg.level)
@@ -146,7 +146,7 @@ async def fetch(args) -> None:
         shapes_ok = all(k.shape[2] == len(c["tokens"]) for k, c in zip(kv, manifest["chunks"]))
         peer.close()
     print(json.dumps({"seconds": seconds, "levels": got, "bytes": nbytes, "complete": shapes_ok,
-                      "deadline_missed": bool(stream.end.deadline_missed) if stream.end else None}), flush=True)
+                      "deadline_missed": bool(call.end.deadline_missed) if call.end else None}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
