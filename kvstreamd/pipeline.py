@@ -111,7 +111,7 @@ class FetchJob:
         self.levels = levels
         self.result = FetchResult()
         self.recompute_tps: float | None = None  # the model process's prefill rate, when it said
-        # codec.gpu.StreamStages when the buffer is on a GPU: chunks of the entropy-coded levels
+        # codec.gpu.CudaStages when the buffer is on a GPU: chunks of the entropy-coded levels
         # then upload, decode and fill on three CUDA streams; others decode on the CPU workers.
         self.stages = None
         self._t0 = 0.0
