@@ -245,10 +245,10 @@ class Node:
 
     def _stages_for(self, prof: Profile):
         """The GPU pipeline's streams and decoder tables for a profile, built once."""
-        from codec.gpu import StreamStages
+        from codec.gpu import CudaStages
         st = self._stages.get(prof.id)
         if st is None:
-            st = self._stages[prof.id] = StreamStages(prof, self.gpu)
+            st = self._stages[prof.id] = CudaStages(prof, self.gpu)
         return st
 
     async def cancel_fetches(self) -> None:
