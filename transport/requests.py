@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from .messages import (BAD_CRC, BAD_REQUEST, INTERNAL, Ack, Cancel, Chunk, End, Error, Fetch,
                        Message, ProtocolError, Text)
 
-__all__ = ["FETCHER", "SENDER", "Rule", "RULES", "Request", "Requests", "DELIVER", "DROP",
+__all__ = ["FETCHER", "SENDER", "Rule", "RULES", "Request", "Requests", "requests_for", "DELIVER", "DROP",
            "apply", "ending", "held_bytes", "ReceiveBuffer", "DEFAULT_MAX_BUFFERED_BYTES"]
 
 # The two sides of a request: the fetcher sent the FETCH; the sender answers it.
