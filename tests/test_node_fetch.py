@@ -1,0 +1,550 @@
+"""A fetch in-process: where its chunks come from (the plan), what happens when a holder fails
+or sends a chunk that does not decode (fallback to another holder, or to TEXT), and how a node
+serves a peer's FETCH. Daemons run in the test's event loop, are talked to through their API
+socket with the AsyncClient, and peer over loopback TCP. Holders that must misbehave on cue
+are scripted peers made from the transport alone (transport.aio with the cluster secret).
+No subprocess, no root."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import re
+import struct
+import time
+
+import pytest
+import torch
+
+import codec
+from conftest import synthetic_kv
+from kvstreamd.client import AsyncClient
+from transport import aio
+from transport.messages import Advertise, Chunk, Text
+
+MODEL = "synthetic-test-model"
+CHUNK = 256  # the inprocess fixture's chunk_tokens
+SECRET = b"cluster-test-secret"  # kvstreamd.lab.daemons.DaemonProcess's [peer] secret
+TEXT = "text"
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def client(d) -> AsyncClient:
+    return AsyncClient(d.cfg.api.socket, timeout=60)
+
+
+def context(n: int, seed: int = 0, first: int = 1000) -> tuple[list[int], torch.Tensor]:
+    """n distinct token ids and fp16 KV for them."""
+    return list(range(first, first + n)), synthetic_kv(n, seed=seed).half()
+
+
+def keys_of(tokens: list[int], model_id: str = MODEL, chunk: int = CHUNK) -> list[bytes]:
+    """Chunk keys as README and the protocol define them: blake2b-256 chained over the parent
+    key, len(model id), model id and the chunk's token ids (u32 little-endian)."""
+    keys, parent = [], b""
+    m = model_id.encode()
+    for s in range(0, len(tokens), chunk):
+        h = hashlib.blake2b(parent, digest_size=32)
+        h.update(struct.pack("<I", len(m)) + m + struct.pack(f"<{len(tokens[s:s + chunk])}I", *tokens[s:s + chunk]))
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+def as_dict(ev) -> dict:
+    """A fetch's start or end event as a dict (the client hands them over as dicts or as
+    kvstreamd.events dataclasses)."""
+    return ev if isinstance(ev, dict) else dataclasses.asdict(ev)
+
+
+def bounds(n: int) -> list[tuple[int, int]]:
+    return [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
+
+
+def encoded(kv: torch.Tensor, prof, level: str = "balanced") -> list[bytes]:
+    """Each chunk of kv encoded at level, as a daemon stores it."""
+    return [codec.encode(kv[:, :, s:e].contiguous(), level, prof, start=s) for s, e in bounds(kv.shape[2])]
+
+
+def decoded(kv: torch.Tensor, prof, level: str, s: int, e: int) -> torch.Tensor:
+    """What chunk [s, e) of kv decodes to at level: the same pure codec the daemon's pool runs."""
+    return codec.decode(codec.encode(kv[:, :, s:e].contiguous(), level, prof, start=s))
+
+
+async def until(what: str, check, timeout: float = 20.0):
+    t0 = time.monotonic()
+    while not (got := await check()):
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.05)
+    return got
+
+
+async def connected(*daemons) -> None:
+    """Until every daemon reports (GET /v1/status) a connection to every other one."""
+    want = {d.node_id for d in daemons}
+
+    async def all_connected():
+        for d in daemons:
+            async with client(d) as c:
+                if set((await c.status())["peers_connected"]) < want - {d.node_id}:
+                    return False
+        return True
+
+    await until("peers did not connect", all_connected)
+
+
+async def sees(d, peer: str, tokens: list[int], n: int) -> None:
+    """Until d's lookup of tokens finds n tokens at peer."""
+    async def check():
+        async with client(d) as c:
+            return (await c.lookup(MODEL, tokens))["peers"].get(peer) == n
+
+    await until(f"{d.node_id} never saw {n} tokens at {peer}", check)
+
+
+async def _found(c: AsyncClient, tokens: list[int], n: int) -> bool:
+    return (await c.lookup(MODEL, tokens))["found_tokens"] == n
+
+
+async def events_of(f) -> list:
+    return [ev async for ev in f]
+
+
+class ScriptedPeer:
+    """A peer made from the transport alone: it authenticates to a daemon with the cluster
+    secret, advertises chunk keys, and answers the daemon's FETCHes with `script(stream, fetch)`."""
+
+    def __init__(self, node_id: str, script) -> None:
+        self.node_id, self.script = node_id, script
+        self.conn: aio.PeerConnection | None = None
+        self.fetches: list = []
+
+    async def _handle(self, stream, fetch) -> None:
+        self.fetches.append(fetch)
+        await self.script(stream, fetch)
+
+    async def join(self, d, keys: list[bytes]) -> "ScriptedPeer":
+        async with client(d) as c:
+            port = (await c.status())["peer_port"]
+        self.conn = await aio.connect("127.0.0.1", port, self.node_id, SECRET, handler=self._handle)
+        await self.conn.send(Advertise(keys))
+        return self
+
+
+def serve_chunks(payloads: list[bytes], level: str = "balanced", after: int | None = None, then=None):
+    """A script that sends payloads[i] for each chunk asked, waiting for each ACK; with `after`,
+    it stops after that many chunks and runs `then(stream)` instead (default: hang)."""
+    async def script(stream, fetch) -> None:
+        for i in range(len(fetch.keys)):
+            if after is not None and i == after:
+                if then is not None:
+                    await then(stream)
+                else:
+                    await asyncio.Event().wait()  # until the connection goes
+                return
+            await stream.send_chunk(i, level, payloads[i])
+            await stream.acks.get()
+        await stream.end()
+    return script
+
+
+# -- the plan: where each chunk comes from ---------------------------------------------------------
+
+async def test_lookup_reports_local_tokens_tokens_per_peer_and_found_tokens(inprocess):
+    a, b, c = await inprocess(["a", "b", "c"])
+    await connected(a, b, c)
+    tokens, kv = context(600)
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        await ca.put(MODEL, tokens, kv)  # 600 tokens: chunks of 256, 256, 88
+        await cc.put(MODEL, tokens[:512], kv[:, :, :512])
+        await cb.put(MODEL, tokens[:256], kv[:, :, :256])
+        prompt = tokens + list(range(50, 90))
+        await sees(b, "a", prompt, 600)
+        await sees(b, "c", prompt, 512)
+        got = await cb.lookup(MODEL, prompt)
+    assert got == {"prompt_tokens": 640, "chunks": 3, "local_tokens": 256, "peers": {"a": 600, "c": 512},
+                   "found_tokens": 600}
+
+
+async def test_local_chunks_come_from_the_store_and_the_rest_from_a_peer(inprocess, small_profile):
+    a, b = await inprocess(["a", "b"])
+    await connected(a, b)
+    tokens, kv = context(600)
+    async with client(a) as ca, client(b) as cb:
+        await ca.put(MODEL, tokens, kv)
+        await cb.put(MODEL, tokens[:256], kv[:, :, :256])
+        await sees(b, "a", tokens, 600)
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+            assert as_dict(f.start)["local_tokens"] == 256
+            assert [(ev.kind, ev.source) for ev in events] == [("kv", "local"), ("kv", "a"), ("kv", "a")]
+            for ev in events:
+                assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.level, ev.start, ev.end))
+
+
+async def test_a_stored_contexts_partial_last_chunk_matches_a_longer_prompt_locally(inprocess, small_profile):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    prompt = tokens + list(range(7, 47))  # the prompt's chunk 2 is tokens 512..768, the context's 512..600
+    async with client(a) as ca:
+        await ca.put(MODEL, tokens, kv)
+        assert (await ca.lookup(MODEL, prompt))["local_tokens"] == 600
+        async with await ca.fetch(MODEL, prompt, deadline_ms=30_000) as f:
+            events = await events_of(f)
+            assert [(ev.start, ev.end, ev.kind, ev.source) for ev in events] == [
+                (0, 256, "kv", "local"), (256, 512, "kv", "local"), (512, 600, "kv", "local")]
+            assert torch.equal(f.kv[:, :, 512:600], decoded(kv, small_profile, events[2].level, 512, 600))
+    end = as_dict(f.end)
+    assert end["prefill_from"] == 600 and end["prefill_tokens"] == 40
+
+
+async def test_a_peers_partial_last_chunk_matches_a_longer_prompt(inprocess, small_profile):
+    a, b = await inprocess(["a", "b"])
+    await connected(a, b)
+    tokens, kv = context(600)
+    prompt = tokens + list(range(7, 47))
+    async with client(a) as ca, client(b) as cb:
+        await ca.put(MODEL, tokens, kv)
+        await sees(b, "a", prompt, 600)
+        async with await cb.fetch(MODEL, prompt, deadline_ms=30_000) as f:
+            assert f.found_tokens == 600
+            events = await events_of(f)
+            assert [(ev.start, ev.end, ev.kind, ev.source) for ev in events] == [
+                (0, 256, "kv", "a"), (256, 512, "kv", "a"), (512, 600, "kv", "a")]
+            assert torch.equal(f.kv[:, :, 512:600], decoded(kv, small_profile, events[2].level, 512, 600))
+    end = as_dict(f.end)
+    assert end["kv_tokens"] == 600 and end["prefill_tokens"] == 40
+
+
+async def test_a_prompt_with_no_cached_prefix_is_a_miss_with_no_buffer(inprocess):
+    a, b = await inprocess(["a", "b"])
+    await connected(a, b)
+    tokens, kv = context(600)
+    other = list(range(5000, 5400))
+    async with client(a) as ca, client(b) as cb:
+        await ca.put(MODEL, tokens, kv)
+        await sees(b, "a", tokens, 600)
+        assert await cb.lookup(MODEL, other) == {"prompt_tokens": 400, "chunks": 2, "local_tokens": 0, "peers": {},
+                                                 "found_tokens": 0}
+        async with await cb.fetch(MODEL, other, deadline_ms=30_000) as f:
+            assert as_dict(f.start)["buffer"] is None and f.found_tokens == 0
+            assert await events_of(f) == []
+            assert f.kv is None
+        end = as_dict(f.end)
+        assert end["found_tokens"] == 0 and end["prefill_from"] == 0 and end["prefill_tokens"] == 400
+        assert (await cb.status())["buffers_held"] == 0
+
+
+async def test_a_prompt_that_diverges_inside_a_chunk_is_found_up_to_the_chunk_before(inprocess):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    async with client(a) as ca:
+        await ca.put(MODEL, tokens, kv)
+        got = await ca.lookup(MODEL, tokens[:300] + [7] * 50)
+    assert got["found_tokens"] == 256 and got["local_tokens"] == 256
+
+
+async def test_a_prefix_shared_by_two_contexts_is_stored_once_and_found_for_either(inprocess):
+    a, b = await inprocess(["a", "b"])
+    await connected(a, b)
+    shared, kv = context(512)
+    x, kv_x = context(100, seed=1, first=3000)
+    y, kv_y = context(100, seed=2, first=4000)
+    async with client(a) as ca, client(b) as cb:
+        first = await ca.put(MODEL, shared + x, torch.cat([kv, kv_x], dim=2))
+        second = await ca.put(MODEL, shared + y, torch.cat([kv, kv_y], dim=2))
+        assert (first["stored_chunks"], first["already_held"]) == (3, 0)
+        assert (second["stored_chunks"], second["already_held"]) == (1, 2)  # only y's chunk is new
+        assert sorted(c["tokens"] for c in await ca.contexts()) == [612, 612]
+        await sees(b, "a", shared + y, 612)
+        assert (await cb.lookup(MODEL, shared + x))["found_tokens"] == 612
+        assert (await cb.lookup(MODEL, shared + [9] * 30))["found_tokens"] == 512
+        async with await cb.fetch(MODEL, shared + [9] * 30, deadline_ms=30_000) as f:
+            events = await events_of(f)
+        assert [(ev.start, ev.end, ev.kind) for ev in events] == [(0, 256, "kv"), (256, 512, "kv")]
+
+
+async def test_a_fetch_streams_from_the_peer_holding_the_longest_run(inprocess):
+    a, b, c = await inprocess(["a", "b", "c"])
+    await connected(a, b, c)
+    tokens, kv = context(600)
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        await ca.put(MODEL, tokens[:256], kv[:, :, :256])
+        await cc.put(MODEL, tokens, kv)
+        await sees(b, "a", tokens, 256)
+        await sees(b, "c", tokens, 600)
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+    assert [ev.source for ev in events] == ["c", "c", "c"]
+    assert as_dict(f.end)["errors"] == []
+
+
+# -- fallback: a holder that fails, a chunk that does not decode -------------------------------------
+
+async def test_when_the_only_holder_goes_away_mid_fetch_the_rest_comes_as_text_with_the_error(inprocess, small_profile):
+    (b,) = await inprocess(["b"])
+    tokens, kv = context(600)
+    payloads = encoded(kv, small_profile)
+    holder = await ScriptedPeer("flaky", serve_chunks(payloads, after=1)).join(b, keys_of(tokens))
+    await sees(b, "flaky", tokens, 600)
+    async with client(b) as cb:
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = []
+            async for ev in f:
+                events.append(ev)
+                if ev.i == 0:
+                    holder.conn.abort()  # gone without a word, as a crash
+            assert [(ev.kind, ev.source) for ev in events] == [("kv", "flaky"), ("text", "fallback"),
+                                                                 ("text", "fallback")]
+            assert torch.equal(f.kv[:, :, :256], codec.decode(payloads[0]))
+        end = as_dict(f.end)
+        assert end["kv_tokens"] == 256 and end["text_tokens"] == 344
+        assert end["text_ranges"] == [[256, 512], [512, 600]]
+        assert len(end["errors"]) == 1 and "flaky" in end["errors"][0], end["errors"]
+        # the node keeps serving: healthy, nothing left in flight, and it forgot the holder
+        assert (await cb.health())["status"] == "ok"
+        st = await cb.status()
+        assert st["fetches_active"] == 0 and st["buffers_held"] == 0
+        await until("b still lists the holder", lambda: _found(cb, tokens, 0))
+
+
+async def test_a_holder_that_ends_the_stream_with_an_error_costs_only_its_remaining_chunks(inprocess, small_profile):
+    (b,) = await inprocess(["b"])
+    tokens, kv = context(600)
+    payloads = encoded(kv, small_profile)
+
+    async def fail(stream):
+        await stream.fail("internal", "disk on fire")
+
+    await ScriptedPeer("flaky", serve_chunks(payloads, after=2, then=fail)).join(b, keys_of(tokens))
+    await sees(b, "flaky", tokens, 600)
+    async with client(b) as cb:
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+        assert [(ev.kind, ev.source) for ev in events] == [("kv", "flaky"), ("kv", "flaky"), ("text", "fallback")]
+        end = as_dict(f.end)
+        assert end["text_ranges"] == [[512, 600]]
+        assert any("flaky" in e and "disk on fire" in e for e in end["errors"]), end["errors"]
+        assert (await cb.health())["status"] == "ok"
+
+
+async def test_when_a_holder_goes_away_mid_fetch_a_second_holder_sends_the_rest_as_kv(inprocess, small_profile):
+    """The second holder learns the chunks while the first is streaming, so which holder the
+    plan picks first is not in question: only the failing one holds them at plan time."""
+    a, b = await inprocess(["a", "b"])
+    await connected(a, b)
+    tokens, kv = context(600)
+    payloads = encoded(kv, small_profile)
+    holder = await ScriptedPeer("flaky", serve_chunks(payloads, after=1)).join(b, keys_of(tokens))
+    await sees(b, "flaky", tokens, 600)
+    async with client(a) as ca, client(b) as cb:
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = []
+            async for ev in f:
+                events.append(ev)
+                if ev.i == 0:
+                    await ca.put(MODEL, tokens, kv)
+                    await sees(b, "a", tokens, 600)
+                    holder.conn.close()
+            assert [(ev.kind, ev.source) for ev in events] == [("kv", "flaky"), ("kv", "a"), ("kv", "a")]
+            assert torch.equal(f.kv[:, :, :256], codec.decode(payloads[0]))
+            for ev in events[1:]:
+                assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.level, ev.start, ev.end))
+        end = as_dict(f.end)
+        assert end["kv_tokens"] == 600 and end["text_tokens"] == 0
+        assert len(end["errors"]) == 1 and "flaky" in end["errors"][0], end["errors"]
+        assert len(holder.fetches) == 1 and len(holder.fetches[0].keys) == 3
+
+
+async def test_a_chunk_that_does_not_decode_becomes_text_and_the_others_still_land(inprocess, small_profile):
+    (b,) = await inprocess(["b"])
+    tokens, kv = context(600)
+    payloads = encoded(kv, small_profile)
+    bad = bytearray(payloads[1])
+    bad[len(bad) // 2] ^= 0xFF  # damaged before it was sent: the wire crc covers the damage
+    payloads[1] = bytes(bad)
+    await ScriptedPeer("holder", serve_chunks(payloads)).join(b, keys_of(tokens))
+    await sees(b, "holder", tokens, 600)
+    async with client(b) as cb:
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+            assert [(ev.kind, ev.level) for ev in events] == [("kv", "balanced"), ("text", TEXT), ("kv", "balanced")]
+            assert events[1].error
+            assert torch.equal(f.kv[:, :, :256], codec.decode(payloads[0]))
+            assert torch.equal(f.kv[:, :, 512:600], codec.decode(payloads[2]))
+        end = as_dict(f.end)
+        assert end["text_ranges"] == [[256, 512]] and end["kv_tokens"] == 344
+        assert any("chunk 1" in e for e in end["errors"]), end["errors"]
+
+
+async def test_a_chunk_that_decodes_to_the_wrong_shape_becomes_text(inprocess, small_profile):
+    (b,) = await inprocess(["b"])
+    tokens, kv = context(600)
+    payloads = encoded(kv, small_profile)
+    payloads[1] = codec.encode(kv[:, :, 256:356].contiguous(), "balanced", small_profile, start=256)  # 100 tokens, not 256
+    await ScriptedPeer("holder", serve_chunks(payloads)).join(b, keys_of(tokens))
+    await sees(b, "holder", tokens, 600)
+    async with client(b) as cb:
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+        assert [ev.kind for ev in events] == ["kv", "text", "kv"]
+        assert as_dict(f.end)["text_ranges"] == [[256, 512]]
+
+
+async def test_a_chunk_the_holder_sends_as_text_is_a_text_event_from_that_holder(inprocess, small_profile):
+    (b,) = await inprocess(["b"])
+    tokens, kv = context(600)
+    payloads = encoded(kv, small_profile)
+
+    async def script(stream, fetch):
+        await stream.send_chunk(0, "balanced", payloads[0])
+        await stream.send_text(1, tokens[256:512])
+        await stream.send_chunk(2, "balanced", payloads[2])
+        for _ in range(3):
+            await stream.acks.get()
+        await stream.end()
+
+    await ScriptedPeer("holder", script).join(b, keys_of(tokens))
+    await sees(b, "holder", tokens, 600)
+    async with client(b) as cb:
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+    assert [(ev.kind, ev.source) for ev in events] == [("kv", "holder"), ("text", "holder"), ("kv", "holder")]
+    end = as_dict(f.end)
+    assert end["text_ranges"] == [[256, 512]] and end["errors"] == []
+
+
+def damage(d, key: bytes) -> None:
+    """Flip one byte in the middle of the file d's store keeps chunk `key` in (whatever the
+    layout under [store] dir: the file is named by the key's hex)."""
+    [path] = [p for p in d.cfg.store.dir.rglob(f"*{key.hex()}*") if p.is_file()]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+async def test_a_chunk_damaged_on_its_holders_disk_is_never_served_as_kv(inprocess, small_profile):
+    """memory_budget 0 keeps every chunk on disk only, so the holder reads (and checks) the file."""
+    a, b = await inprocess(["a", "b"], store={"memory_budget": 0})
+    await connected(a, b)
+    tokens, kv = context(600)
+    async with client(a) as ca, client(b) as cb:
+        keys = [bytes.fromhex(k) for k in (await ca.put(MODEL, tokens, kv))["keys"]]
+        await sees(b, "a", tokens, 600)
+        damage(a, keys[1])
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+            assert events[1].kind == "text"
+            for ev in events:
+                if ev.kind == "kv":
+                    assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.level, ev.start, ev.end))
+        end = as_dict(f.end)
+        assert end["kv_tokens"] + end["text_tokens"] == 600
+        assert any(re.search(r"\ba\b", e) for e in end["errors"]), end["errors"]  # names the holder
+        # the holder drops the damaged chunk, and its peers hear of it
+        assert (await ca.lookup(MODEL, tokens))["local_tokens"] == 256
+        await sees(b, "a", tokens, 256)
+        assert (await cb.health())["status"] == "ok"
+
+
+async def test_a_local_chunk_damaged_on_disk_becomes_text(inprocess, small_profile):
+    (a,) = await inprocess(["a"], store={"memory_budget": 0})
+    tokens, kv = context(600)
+    async with client(a) as ca:
+        keys = [bytes.fromhex(k) for k in (await ca.put(MODEL, tokens, kv))["keys"]]
+        damage(a, keys[1])
+        async with await ca.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+            assert [ev.kind for ev in events] == ["kv", "text", "kv"]
+            for ev in (events[0], events[2]):
+                assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.level, ev.start, ev.end))
+        assert as_dict(f.end)["text_ranges"] == [[256, 512]]
+
+
+# -- serving a peer's FETCH ---------------------------------------------------------------------
+
+async def raw_peer(d, node_id: str = "probe") -> aio.PeerConnection:
+    async with client(d) as c:
+        port = (await c.status())["peer_port"]
+    return await aio.connect("127.0.0.1", port, node_id, SECRET)
+
+
+async def stored(d, tokens, kv) -> list[bytes]:
+    async with client(d) as c:
+        return [bytes.fromhex(k) for k in (await c.put(MODEL, tokens, kv))["keys"]]
+
+
+async def test_a_node_serves_a_fetch_of_keys_it_holds_with_chunks_at_offered_levels_then_end(inprocess, small_profile):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    keys = await stored(a, tokens, kv)
+    conn = await raw_peer(a)
+    try:
+        offered = ["high", "balanced", "fast"]
+        stream = conn.fetch(keys, 30_000, offered + [TEXT])
+        got = [msg async for msg in stream]
+    finally:
+        conn.close()
+    assert [m.i for m in got] == [0, 1, 2]
+    assert all(isinstance(m, Chunk) and m.level in offered for m in got), got
+    for m, (s, e) in zip(got, bounds(600)):
+        assert torch.equal(codec.decode(m.payload), decoded(kv, small_profile, m.level, s, e))
+    assert stream.end is not None and stream.end.status == "ok"
+
+
+async def test_a_fetch_for_keys_not_held_is_answered_not_found(inprocess):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    keys = await stored(a, tokens, kv)
+    conn = await raw_peer(a)
+    try:
+        with pytest.raises(aio.FetchFailed) as e:
+            [m async for m in conn.fetch(keys[:1] + keys_of(list(range(9000, 9300)))[1:], 30_000, ["balanced", TEXT])]
+        assert e.value.code == "not_found"
+        # only that request ends: the connection still serves the next one
+        again = [m async for m in conn.fetch(keys[:1], 30_000, ["balanced", TEXT])]
+        assert [m.i for m in again] == [0]
+    finally:
+        conn.close()
+
+
+async def test_a_fetch_asking_exactly_one_level_gets_that_level_for_every_chunk(inprocess, small_profile):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    keys = await stored(a, tokens, kv)
+    conn = await raw_peer(a)
+    try:
+        for level in ("high", "fast"):
+            got = [m async for m in conn.fetch(keys, 30_000, [level, TEXT])]
+            assert [(m.i, getattr(m, "level", TEXT)) for m in got] == [(0, level), (1, level), (2, level)]
+            for m, (s, e) in zip(got, bounds(600)):
+                assert torch.equal(codec.decode(m.payload), decoded(kv, small_profile, level, s, e))
+    finally:
+        conn.close()
+
+
+async def test_a_fetch_offering_only_text_gets_every_chunks_token_ids(inprocess):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    keys = await stored(a, tokens, kv)
+    conn = await raw_peer(a)
+    try:
+        got = [m async for m in conn.fetch(keys, 30_000, [TEXT])]
+    finally:
+        conn.close()
+    assert all(isinstance(m, Text) for m in got), got
+    assert [list(m.tokens) for m in got] == [tokens[s:e] for s, e in bounds(600)]
+
+
+async def test_a_fetch_for_a_level_the_node_does_not_store_is_answered_with_text(inprocess):
+    (a,) = await inprocess(["a"])  # stores high, balanced, fast
+    tokens, kv = context(600)
+    keys = await stored(a, tokens, kv)
+    conn = await raw_peer(a)
+    try:
+        got = [m async for m in conn.fetch(keys, 30_000, ["int8", TEXT])]
+    finally:
+        conn.close()
+    assert [type(m).__name__ for m in got] == ["Text", "Text", "Text"]
