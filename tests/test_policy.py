@@ -12,9 +12,12 @@ import pytest
 from transport import traces
 from transport.bandwidth import BandwidthEstimator, PeerBandwidth, Probe
 from transport.messages import Ack, Fetch
-from transport.policy import DPPL, TEXT, Choice, Situation, adaptive_rule, cachegen_rule
+from codec import catalog
+from transport.policy import TEXT, Choice, Situation, adaptive_rule, cachegen_rule
 from transport.send import send_chunks
 from transport.sender import FetchSender
+
+DPPL = catalog.dppl_table(["fp16", "int8", "high", "balanced", "fast"])  # the costs the daemon prices with
 
 MB = 1e6
 PAPER_LADDER = ("high", "balanced", "fast", TEXT)  # CacheGen's own levels, without int8
@@ -129,10 +132,10 @@ def test_adaptive_rule_takes_int8_when_the_link_is_fast_and_decode_is_the_bottle
 def test_on_a_fast_link_int8_meets_a_deadline_that_decode_makes_impossible_for_coded_levels():
     sizes, work = traces.smollm2_chunks(4)
     assert 4 * work["fast"] > 0.45  # even the fastest entropy-coded level decodes too slowly
-    adaptive = traces.simulate(adaptive_rule, [2000.0] * 4, sizes, 0.45, work)
+    adaptive = traces.simulate(adaptive_rule, [2000.0] * 4, sizes, 0.45, work, DPPL)
     assert adaptive.deadline_met and adaptive.mean_dppl == 0.0 and "int8" in adaptive.levels
     paper = {lv: sizes[lv] for lv in PAPER_LADDER}
-    assert not traces.simulate(cachegen_rule, [2000.0] * 4, paper, 0.45, work).deadline_met
+    assert not traces.simulate(cachegen_rule, [2000.0] * 4, paper, 0.45, work, DPPL).deadline_met
 
 
 def test_adaptive_rule_counts_the_receivers_backlog():
@@ -158,10 +161,10 @@ def test_adaptive_rule_meets_a_constant_link_deadline_whenever_an_assignment_fit
     sizes, work = traces.smollm2_chunks(chunks)
     for rate in (5, 12, 30, 70, 150, 300, 500, 1000, 2000):
         trace = [float(rate)] * chunks
-        best = min(traces.simulate(fixed(seq), trace, sizes, 1e9, work).total_seconds
+        best = min(traces.simulate(fixed(seq), trace, sizes, 1e9, work, DPPL).total_seconds
                    for seq in itertools.product(sizes, repeat=chunks))
         for slack in (1 / 0.9 + 1e-3, 1.5, 3.0):
-            result = traces.simulate(adaptive_rule, trace, sizes, best * slack, work)
+            result = traces.simulate(adaptive_rule, trace, sizes, best * slack, work, DPPL)
             assert result.deadline_met, (rate, slack, best, result)
 
 
@@ -186,7 +189,7 @@ def test_trace_files_round_trip_and_bad_lines_are_named(tmp_path):
 
 def test_simulation_pipelines_decode_with_the_link():
     sizes, work = traces.smollm2_chunks(4)
-    result = traces.simulate(fixed(["high"] * 4), [100.0] * 4, sizes, 10.0, work)
+    result = traces.simulate(fixed(["high"] * 4), [100.0] * 4, sizes, 10.0, work, DPPL)
     link = sizes["high"][0] / mbit(100)  # 0.36 s, longer than the 0.197 s decode
     probe = Probe().size / mbit(100)
     assert result.total_seconds == pytest.approx(probe + 4 * link + work["high"])
@@ -201,7 +204,7 @@ def test_simulated_rule_sees_only_the_past():
         return Choice("high", 0.0, "")
 
     sizes, work = traces.smollm2_chunks(3)
-    traces.simulate(rule, [10.0, 100.0, 400.0], sizes, 10.0, work)
+    traces.simulate(rule, [10.0, 100.0, 400.0], sizes, 10.0, work, DPPL)
     # The probe and chunk 0 both cross at 10 Mbit/s; chunk 1's rate is only known after it.
     assert seen == pytest.approx([mbit(10), mbit(10), 3 / (2 / mbit(10) + 1 / mbit(100))])
 
@@ -410,7 +413,7 @@ def _evaluate(rule, chunks: int, deadline_s: float, ladder=None) -> tuple[float,
     sizes, work = traces.smollm2_chunks(chunks)
     if ladder is not None:
         sizes = {lv: sizes[lv] for lv in ladder}
-    runs = [traces.simulate(rule, traces.generate(seed, chunks), sizes, deadline_s, work) for seed in SEEDS]
+    runs = [traces.simulate(rule, traces.generate(seed, chunks), sizes, deadline_s, work, DPPL) for seed in SEEDS]
     return (sum(r.deadline_met for r in runs) / len(runs), statistics.fmean(r.mean_dppl for r in runs),
             statistics.median(r.total_seconds for r in runs))
 

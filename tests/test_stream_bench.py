@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from codec import catalog
 from kvstreamd.lab import netns
 from kvstreamd.bench import stream, stream_data
 
 ok, why = netns.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
 
-DPPL = {"fp16": 0.0, "int8": 0.0, "high": 0.0, "balanced": 0.22, "fast": 1.86, "text": 0.0}
+DPPL = catalog.dppl_table(["fp16", "int8", "high", "balanced", "fast"])
 
 
 @pytest.fixture(scope="module")

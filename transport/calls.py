@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from .messages import Ack, Chunk, End, Error, Fetch, Message, Text
 
-if TYPE_CHECKING:
-    from .aio import PeerConnection
-
 __all__ = ["TransportError", "HandshakeError", "ConnectionClosedError", "FetchError", "FetchFailed",
            "FetchCancelled", "FetchInterrupted", "FetchCall", "ServedFetch"]
+
+
+class Peer(Protocol):
+    """What a request's two sides use of their connection (aio.PeerConnection is the one)."""
+
+    peer_node_id: str | None
+    peer_caps: dict | None
+
+    async def cancel(self, req: int) -> None: ...
+    async def ping(self) -> float: ...
+    async def probe(self, size: int) -> tuple[float, float]: ...
 
 
 class TransportError(Exception):
@@ -60,7 +68,7 @@ class FetchCall:
     stops after END "ok" and raises a FetchError for any other ending. Made by
     PeerConnection.fetch(), which feeds it with deliver() and finish()."""
 
-    def __init__(self, peer: PeerConnection, req: int, taken: Callable[[Chunk | Text], None]):
+    def __init__(self, peer: Peer, req: int, taken: Callable[[Chunk | Text], None]):
         self.peer = peer
         self.req = req
         self.end: End | None = None  # the END, once it has arrived (deadline_missed is on it)
@@ -109,7 +117,7 @@ class ServedFetch:
     chunks, watch the ACKs. A CANCEL cancels the task; the connection then ends the request
     (END "cancelled"), as it does when the handler returns or raises without ending it."""
 
-    def __init__(self, peer: PeerConnection, fetch: Fetch, now: float,
+    def __init__(self, peer: Peer, fetch: Fetch, now: float,
                  send: Callable[[Message], Awaitable[int]]):
         self.peer = peer
         self.fetch = fetch

@@ -11,12 +11,8 @@ import numpy as np
 
 TEXT = "text"  # the token ids, for the receiver to recompute
 
-# Quality cost of each level, Δppl % (docs/benchmarks.md, SmolLM2-135M on WikiText-2 test).
-# Δppl over 768 scored tokens is noisy to about ±0.3 points: int8 measures -0.09% and high +0.31%
-# (at KL 0.00102, less than half of balanced's 0.00233, whose Δppl is +0.22%). Both are counted
-# as 0, as the near-lossless levels, which keeps the ladder in KL order.
-DPPL: dict[str, float] = {"fp16": 0.0, "int8": 0.0, "high": 0.0, "balanced": 0.22, "fast": 1.86,
-                          TEXT: 0.0}
+# Each level's quality cost (Δppl %) is data the caller passes in (Situation.dppl): it is
+# measured per model and kept in codec.catalog, not here.
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .bandwidth import BandwidthEstimator, Probe
-from .policy import DPPL, TEXT, Rule, Situation, receiver_work
+from .policy import TEXT, Rule, Situation, receiver_work
 
 # CacheGen draws each chunk's bandwidth from 0.1-10 Gbps; this machine's loopback carries far
 # less, so traces are scaled by 1/20 into 5-500 Mbit/s.
@@ -77,7 +77,7 @@ class SimResult:
 
 
 def simulate(rule: Rule, trace: Sequence[float], sizes: Mapping[str, Sequence[int]], deadline_s: float,
-             work_s: Mapping[str, float], dppl: Mapping[str, float] = DPPL, *,
+             work_s: Mapping[str, float], dppl: Mapping[str, float], *,
              estimator: BandwidthEstimator | None = None, probe: Probe = Probe()) -> SimResult:
     """Send one context chunk by chunk over `trace` (chunk i crosses the link at trace[i]
     Mbit/s, wrapping round) with the receiver decoding in order as chunks land.
