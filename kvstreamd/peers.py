@@ -13,7 +13,7 @@ from transport import aio
 from transport.bandwidth import PeerBandwidth
 from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
 from codec import catalog
-from transport.policy import TEXT, Choice, adaptive_rule
+from transport.policy import TEXT, adaptive_rule, fixed_rule
 from transport.send import send_chunks
 
 from .config import PeerConfig
@@ -211,14 +211,14 @@ class PeerManager:
 
     # -- serving a peer's FETCH --------------------------------------------------------------
 
-    async def _serve_fetch(self, stream: aio.ServedFetch, fetch: Fetch) -> None:
+    async def _serve_fetch(self, served: aio.ServedFetch, fetch: Fetch) -> None:
         new_request_id()
-        peer = stream.peer.peer_node_id or "?"
+        peer = served.peer.peer_node_id or "?"
         loop = asyncio.get_running_loop()
-        # Pinned so eviction cannot take a chunk mid-stream; pinning reads disk-tier chunks, off the loop.
+        # Pinned so eviction cannot take a chunk mid-served; pinning reads disk-tier chunks, off the loop.
         recs = await asyncio.to_thread(self.store.pin, fetch.keys)
         try:
-            done = await self._stream(stream, fetch, recs, peer, loop)
+            done = await self._send(served, fetch, recs, peer, loop)
         finally:
             self.store.unpin([r.key for r in recs if r is not None])
         if done is None:
@@ -231,17 +231,17 @@ class PeerManager:
         log.info("served %d chunks to %s in %.3f s: levels %s", len(recs), peer, loop.time() - t0,
                  ",".join(c.level for c in sender.choices))
 
-    async def _stream(self, stream: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
+    async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
         """Send the chunks, each at the level the adaptive rule picks; None if some are not held."""
         missing = [i for i, r in enumerate(recs) if r is None]
         if missing:
             self.metrics.error("fetch_not_found")
-            await stream.fail(NOT_FOUND, f"chunk {missing[0]} ({fetch.keys[missing[0]].hex()[:16]}) is not held here")
+            await served.fail(NOT_FOUND, f"chunk {missing[0]} ({fetch.keys[missing[0]].hex()[:16]}) is not held here")
             return None
         coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs)]
         sizes = {lv: [len(r.levels[lv]) for r in recs] for lv in coded}
         sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
-        caps = stream.peer.peer_caps or {}
+        caps = served.peer.peer_caps or {}
         decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
         recompute_tps = float(fetch.recompute_tps or caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
         fp16_mb = max(2 * _numel(r.shape) for r in recs) / 1e6
@@ -252,9 +252,9 @@ class PeerManager:
         rule = adaptive_rule
         if len(asked) == 1 and asked == coded:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
-            rule = _fixed(coded[0])
+            rule = fixed_rule(coded[0])
             sizes = {coded[0]: sizes[coded[0]]}
-        done = await send_chunks(stream, sizes, lambda i, lv: recs[i].levels[lv], lambda i: list(recs[i].tokens),
+        done = await send_chunks(served, sizes, lambda i, lv: recs[i].levels[lv], lambda i: list(recs[i].tokens),
                                  rule, estimator, work, catalog.dppl_table(coded),
                                  on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc())
         return done.coded_bytes, done.busy_s, estimator, done.sender, done.started
@@ -282,12 +282,6 @@ class PeerManager:
                 "rtt_ms": round(conn.rtt * 1000, 3) if conn is not None and conn.rtt else None,
                 "last_error": st.last_error if st else None,
                 "next_retry_s": round(st.next_retry - time.time(), 2) if st and st.next_retry else None}
-
-
-def _fixed(level: str):
-    def rule(_situation) -> Choice:
-        return Choice(level, 0.0, f"the fetcher asked for {level} only")
-    return rule
 
 
 def _numel(shape) -> int:

@@ -71,6 +71,14 @@ def _mbit(rate: float) -> str:
     return f"{rate * 8 / 1e6:.1f} Mbit/s"
 
 
+def fixed_rule(level: str) -> Rule:
+    """Every chunk at `level`, whatever the link: what a fetch naming one level asks for, and
+    how the fixed-level baselines are measured."""
+    def rule(_s: Situation) -> Choice:
+        return Choice(level, 0.0, f"every chunk at {level}, as asked")
+    return rule
+
+
 def cachegen_rule(s: Situation) -> Choice:
     """CacheGen's rule (SIGCOMM 2024): the highest-quality level whose predicted time for all
     the remaining chunks -- their bytes at that level over the estimated bandwidth -- fits

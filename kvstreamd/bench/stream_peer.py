@@ -20,7 +20,7 @@ from codec import catalog
 from kvstreamd.lab import netns
 from transport import aio
 from transport.bandwidth import BandwidthEstimator
-from transport.policy import TEXT, Choice, adaptive_rule, cachegen_rule
+from transport.policy import TEXT, adaptive_rule, cachegen_rule, fixed_rule
 from transport.send import send_chunks
 
 METHODS = ["fp16", "int8", "text", "cachegen-rule", "adaptive"]
@@ -28,18 +28,12 @@ ADAPTIVE_LEVELS = ["fp16", "int8", "high", "balanced", "fast", TEXT]  # what the
 CACHEGEN_LEVELS = ["high", "balanced", "fast", TEXT]  # CacheGen's ladder: its levels plus text
 
 
-def fixed(level: str):
-    def rule(_situation) -> Choice:
-        return Choice(level, 0.0, f"method sends every chunk as {level}")
-    return rule
-
-
 def rule_and_levels(method: str):
     if method == "cachegen-rule":
         return cachegen_rule, CACHEGEN_LEVELS
     if method == "adaptive":
         return adaptive_rule, ADAPTIVE_LEVELS
-    return fixed(method), [method]
+    return fixed_rule(method), [method]
 
 
 def load(data_dir: Path) -> tuple[dict, dict[str, list[bytes]]]:
