@@ -59,7 +59,7 @@ def test_batched_decoder_keeps_the_dtype_and_fills_a_given_tensor(small_profile,
     gpu.device_decoder(small_profile, "cpu").decode_many(chunks, out=out)
     ref = torch.cat([codec.decode(c, small_profile) for c in chunks], dim=2)
     assert not torch.isnan(out).any()
-    assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+    assert torch.equal(out, ref)
 
 
 def _damaged(chunk: bytes) -> bytes:
@@ -239,7 +239,7 @@ def test_cuda_stages_fill_a_buffer_chunk_by_chunk(context, small_profile):
         assert stages.fill(staged, out[:, :, t0:t0 + n]) is None  # on the CPU: done on return
         t0 += n
     assert t0 == ref.shape[2]
-    assert torch.allclose(out.float(), ref.float(), rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+    assert torch.equal(out, ref)  # on the CPU the stages run codec.decode's transforms
 
 
 async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profile):
