@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import struct
 from pathlib import Path
@@ -443,6 +444,36 @@ async def test_a_fetch_block_left_by_an_exception_still_releases_its_buffer(inpr
             await asyncio.sleep(0.05)
         assert (st["buffers_held"], st["fetches_active"]) == (0, 0)
         assert (await ca.health())["status"] == "ok"
+
+
+async def test_a_client_leaving_a_fetch_early_is_not_an_error_in_the_daemons_log(inprocess, caplog):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    async with client(a) as ca:
+        await ca.put(MODEL, tokens, kv)
+        caplog.clear()
+        async with await ca.fetch(MODEL, tokens, deadline_ms=30_000):
+            pass  # leaves before any chunk event is read
+        for _ in range(100):
+            if (await ca.status())["fetches_active"] == 0:
+                break
+            await asyncio.sleep(0.05)
+    errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
+
+
+async def test_metrics_answer_prometheus_text_that_counts_fetches(inprocess):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(300)
+    async with client(a) as ca:
+        await ca.put(MODEL, tokens, kv)
+        async with await ca.fetch(MODEL, tokens) as f:
+            await f.wait()
+    status, ctype, data = await request(a, "GET", "/metrics")
+    assert (status, ctype) == (200, "text/plain")
+    text = data.decode()
+    assert "kvstreamd_fetch_seconds_count 1.0" in text
+    assert 'kvstreamd_prompt_tokens_total{source="local"} 300.0' in text
 
 
 async def test_a_client_error_carries_the_daemons_code_and_http_status(inprocess):

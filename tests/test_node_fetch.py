@@ -72,7 +72,7 @@ def decoded(kv: torch.Tensor, prof, level: str, s: int, e: int) -> torch.Tensor:
     return codec.decode(codec.encode(kv[:, :, s:e].contiguous(), level, prof, start=s))
 
 
-async def until(what: str, check, timeout: float = 20.0):
+async def until(what: str, check, timeout: float = 10.0):
     t0 = time.monotonic()
     while not (got := await check()):
         if time.monotonic() - t0 > timeout:
