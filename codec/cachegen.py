@@ -29,21 +29,31 @@ def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Pr
     steps = lv.steps(profile)
     ns = bs.sink_rows(start, profile.sink_tokens, T, lv.transforms)
     sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
-    subs = [encode_stream(kv[layer, k_or_v], layer, k_or_v, lv.transforms, steps, lv.anchor_step, start, ns, profile)
-            for layer in range(L) for k_or_v in range(2)]
+    cos_sin = key_angles(lv.transforms, start, ns, T, profile)
+    subs = [encode_stream(kv[layer, k_or_v], layer, k_or_v, lv.transforms, steps, lv.anchor_step, start, ns, profile,
+                          cos_sin) for layer in range(L) for k_or_v in range(2)]
     header = bs.Header(lv.transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
                        ns, steps, lv.anchor_step, memoryview(sink), subs)
     return bs.pack(header)
 
 
+def key_angles(transforms: int, start: int, sink_rows: int, tokens: int,
+               profile: Profile) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The RoPE angles every key stream of a chunk is un-rotated by (None if it is not)."""
+    if not transforms & bs.UNROTATE_KEYS:
+        return None
+    return rope.angles(start + sink_rows, tokens - sink_rows, profile.head_dim, profile.rope_theta)
+
+
 def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, steps: np.ndarray,
-                  anchor_step: float, start: int, sink_rows: int, profile: Profile) -> bytes:
-    """One substream: x [T, H, D] of one (layer, K/V)."""
+                  anchor_step: float, start: int, sink_rows: int, profile: Profile,
+                  cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> bytes:
+    """One substream: x [T, H, D] of one (layer, K/V); cos_sin: key_angles of its chunk."""
     x = x[sink_rows:].to(torch.float32)
     n = x.shape[0]
     step = float(steps[layer, k_or_v])
     if transforms & bs.UNROTATE_KEYS and k_or_v == 0:
-        x = rope.unrotate(x, start + sink_rows, profile.rope_theta)
+        x = rope.unrotate(x, start + sink_rows, profile.rope_theta, cos_sin)
     x = x.reshape(n, x.shape[1] * x.shape[2])
     if transforms & bs.DELTA:
         mean = torch.from_numpy(profile.tensors["chan_mean"][layer, k_or_v])

@@ -161,8 +161,9 @@ def _encode_part(name: str, shape: tuple, dtype_code: int, level: str, profile_i
         kv = torch.frombuffer(shm.buf, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
         lv, profile = levels.get(level), profiles.find(profile_id)
         steps = lv.steps(profile)
+        cos_sin = cachegen.key_angles(lv.transforms, start, sink_rows, shape[2], profile)
         res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, lv.transforms, steps, lv.anchor_step,
-                                      start, sink_rows, profile) for s in streams]
+                                      start, sink_rows, profile, cos_sin) for s in streams]
         del kv
         return res
     finally:

@@ -5,8 +5,6 @@ position-dependent spin, which concentrates their variance into fewer PCA compon
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 
@@ -18,14 +16,11 @@ def angles(start: int, n: int, head_dim: int, theta: float) -> tuple[torch.Tenso
     return a.cos().to(torch.float32)[:, None, :], a.sin().to(torch.float32)[:, None, :]
 
 
-# The encoder un-rotates every key stream of a chunk at the same positions.
-_cos_sin = lru_cache(maxsize=64)(angles)
-
-
-def _rotate(x: torch.Tensor, start: int, theta: float, sign: float) -> torch.Tensor:
+def _rotate(x: torch.Tensor, start: int, theta: float, sign: float,
+            cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """x: [T, H, D] float32 -> a new tensor, each token rotated by sign * its position's angles."""
     half = x.shape[-1] // 2
-    cos, sin = _cos_sin(start, x.shape[0], x.shape[-1], float(theta))
+    cos, sin = cos_sin if cos_sin is not None else angles(start, x.shape[0], x.shape[-1], float(theta))
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty_like(x)
     torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin * sign)
@@ -33,14 +28,17 @@ def _rotate(x: torch.Tensor, start: int, theta: float, sign: float) -> torch.Ten
     return out
 
 
-def unrotate(keys: torch.Tensor, start: int, theta: float) -> torch.Tensor:
-    """Post-RoPE keys [T, H, D] at positions start.. -> the same keys at position 0."""
-    return _rotate(keys, start, theta, -1.0)
+def unrotate(keys: torch.Tensor, start: int, theta: float,
+             cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Post-RoPE keys [T, H, D] at positions start.. -> the same keys at position 0. cos_sin:
+    angles(start, T, D, theta) where the caller has them (every key stream of a chunk shares
+    them)."""
+    return _rotate(keys, start, theta, -1.0, cos_sin)
 
 
 def rerotate(keys: torch.Tensor, start: int, theta: float) -> torch.Tensor:
     """Inverse of unrotate: keys at position 0 -> post-RoPE keys at positions start.."""
-    return _rotate(keys, start, theta, 1.0)
+    return _rotate(keys, start, theta, 1.0, None)
 
 
 def rerotation(start: int, n: int, heads: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
