@@ -226,6 +226,18 @@ async def test_a_fetch_buffer_has_the_dtype_asked_for(inprocess, small_profile):
                 assert torch.equal(f.kv[:, :, ev.start:ev.end], want.float())
 
 
+
+async def test_a_fetch_asking_for_gpu_memory_on_a_daemon_without_one_uses_shared_memory_and_says_why(inprocess):
+    (a,) = await inprocess(["a"], codec={"device": "cpu"})
+    tokens, kv = context(300)
+    async with client(a) as ca:
+        await ca.put(MODEL, tokens, kv)
+        async with await ca.fetch(MODEL, tokens, device="cuda") as f:
+            await f.wait()
+            start = as_dict(f.start)
+            assert start["device"] == "cpu" and start["gpu_unavailable"]
+            assert f.kv is not None and not f.kv.is_cuda and as_dict(f.end)["kv_tokens"] == 300
+
 # -- malformed requests: 4xx with a JSON error code --------------------------------------------------
 
 GOOD_FETCH = {"model_id": MODEL, "tokens": [1, 2, 3]}

@@ -281,6 +281,20 @@ async def test_a_fetch_streams_from_the_peer_holding_the_longest_run(inprocess):
     assert as_dict(f.end)["errors"] == []
 
 
+
+async def test_a_fetch_that_accepts_one_level_gets_every_chunk_at_it_from_the_peer(inprocess, small_profile):
+    a, b = await inprocess(["a", "b"])
+    await connected(a, b)
+    tokens, kv = context(600)
+    async with client(a) as ca, client(b) as cb:
+        await ca.put(MODEL, tokens, kv)
+        await sees(b, "a", tokens, 600)
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000, levels=["fast"]) as f:
+            events = await events_of(f)
+            assert [(ev.kind, ev.level) for ev in events] == [("kv", "fast")] * 3
+            for ev in events:
+                assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, "fast", ev.start, ev.end))
+
 # -- fallback: a holder that fails, a chunk that does not decode -------------------------------------
 
 async def test_when_the_only_holder_goes_away_mid_fetch_the_rest_comes_as_text_with_the_error(inprocess, small_profile):
@@ -309,6 +323,27 @@ async def test_when_the_only_holder_goes_away_mid_fetch_the_rest_comes_as_text_w
         assert st["fetches_active"] == 0 and st["buffers_held"] == 0
         await until("b still lists the holder", lambda: _found(cb, tokens, 0))
 
+
+
+async def test_when_a_holders_daemon_stops_its_peers_forget_it_and_fetch_from_another_holder(inprocess):
+    a, b, c = await inprocess(["a", "b", "c"])
+    await connected(a, b, c)
+    tokens, kv = context(600)
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        await ca.put(MODEL, tokens, kv)
+        await cc.put(MODEL, tokens, kv)
+        await sees(b, "a", tokens, 600)
+        await sees(b, "c", tokens, 600)
+        await a.stop()
+
+        async def only_c():
+            return (await cb.lookup(MODEL, tokens))["peers"] == {"c": 600}
+
+        await until("b still lists a's chunks", only_c)
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+        assert [(ev.kind, ev.source) for ev in events] == [("kv", "c")] * 3
+        assert as_dict(f.end)["errors"] == []
 
 async def test_a_holder_that_ends_the_stream_with_an_error_costs_only_its_remaining_chunks(inprocess, small_profile):
     (b,) = await inprocess(["b"])
