@@ -148,6 +148,10 @@ class Decoder:
                 step = torch.from_numpy(np.array(steps, np.float32).reshape(2 * L, 1, 1)).to(self.device)
                 t = self._tables[key] = StepTables(np.array(steps, np.float32), step)
                 keep = max(1, min(32, budget // bases_bytes)) if bases_bytes <= budget else 8
+                if len(self._tables) > keep and self.device.type == "cuda":
+                    # Built on whichever stream parsed a chunk, read on the decode stream: let
+                    # queued decodes finish before the allocator may hand the memory out again.
+                    torch.cuda.synchronize(self.device)
                 while len(self._tables) > keep:
                     self._tables.popitem(last=False)
             self._tables.move_to_end(key)

@@ -333,7 +333,7 @@ def _concat_lanes(parts: list[rans.Lanes]) -> rans.Lanes:
                       np.concatenate([ln.comp_model for ln in parts]), np.concatenate([ln.out_off for ln in parts]))
 
 
-def cpu_symbols(chunk: bytes | memoryview, profile) -> torch.Tensor:
+def cpu_symbols(chunk: bytes | memoryview, profile: Profile) -> torch.Tensor:
     """The entropy-decoded symbol indices [2L, C, n] of one chunk from the CPU library (0 for
     components not coded): what LaneDecoder.symbols must reproduce bit for bit."""
     h = bs.unpack(chunk)
