@@ -211,6 +211,8 @@ class Decoder:
             return torch.mul(sym.transpose(-1, -2), t.step[s0:s0 + S], out=x)
         nb, _ = self._blocks()
         scaled = t.bases[s0 * nb:(s0 + S) * nb] if t.bases is not None else self._scaled(t.steps, range(s0, s0 + S))
+        if self.device.type == "cpu":
+            return pca.to_channels(sym, self._means_for(s0, S), scaled)
         with tf32(self.device):
             return pca.to_channels(sym, self._means_for(s0, S), scaled)
 
