@@ -32,7 +32,7 @@ from .quantize import dequantize
 # 64-token chunk's 60 streams go together, ~35% faster than one by one.
 CPU_SLAB_BYTES = 1 << 20
 # Step-scaled bases are kept for as many step tables as fit this many bytes (oldest dropped
-# first); a table larger than it is never kept on the CPU, and each slab scales its own.
+# first); a table larger than it is never kept, and each slab scales its own.
 TABLE_BUDGET = {"cpu": 64 << 20, "cuda": 2 << 30}
 ROPE_BUDGET = {"cpu": 8 << 20, "cuda": 256 << 20}  # RoPE tables, by bytes, newest kept
 DECODERS_KEPT = 4  # for_profile: decoders kept, one per profile, least recently used dropped
@@ -351,7 +351,7 @@ class Decoder:
         components not coded), None for a chunk the lanes do not code: to compare with
         gpu.cpu_symbols."""
         if self.lanes is None:
-            raise ValueError("symbols() reads the batched lanes; make the decoder with lanes=True")
+            raise ValueError("symbols() reads the batched lanes: make the decoder with codec.gpu.device_decoder")
         return self.lanes.symbols(batch.lanes)
 
 
