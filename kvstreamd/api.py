@@ -215,9 +215,11 @@ async def fetch(request: web.Request) -> web.StreamResponse:
                 ev = await anext(stream)
             except StopAsyncIteration:
                 break
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away mid-fetch: not the daemon's error
+        log.info("fetch of %d tokens: the client left before the end", len(req.tokens))
     finally:
-        await stream.aclose()  # the client went away mid-fetch: the fetch is cancelled, its buffer freed
-    await resp.write_eof()
+        await stream.aclose()  # the fetch is cancelled (if it still runs) and its buffer freed
     return resp
 
 

@@ -361,8 +361,14 @@ class AsyncClient:
     async def status(self) -> dict:
         return await self._call("GET", "/v1/status")
 
+    async def metrics(self) -> str:
+        return await self._call("GET", "/metrics")
+
     async def contexts(self) -> list[dict]:
         return (await self._call("GET", "/v1/contexts"))["contexts"]
+
+    async def delete_context(self, key: str) -> int:
+        return (await self._call("DELETE", f"/v1/contexts/{key}"))["deleted_chunks"]
 
     async def peers(self) -> list[dict]:
         return (await self._call("GET", "/v1/peers"))["peers"]

@@ -192,7 +192,7 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
                          "first_token_match": new[:1] == reference[:1], "bytes": reuse.bytes,
                          "levels": reuse.levels, "found_tokens": reuse.found_tokens, "text_tokens": reuse.text_tokens,
                          "fetch_s": reuse.fetch_s, "recompute_s": reuse.recompute_s, "cache_s": reuse.cache_s, "generated": new,
-                         "deadline_missed": (reuse.end or {}).get("deadline_missed"), "chunks": _per_chunk(reuse)})
+                         "deadline_missed": reuse.end.deadline_missed if reuse.end else None, "chunks": _per_chunk(reuse)})
             log(f"  {bw:g} Mbit/s {method}: TTFT {reuse.ttft_s:.2f} s, {reuse.bytes / 1e6:.1f} MB, "
                 f"levels {','.join(reuse.levels)}, Δppl {quality_cache[key]:+.2f}%, tokens match {new == reference}")
     h.a.client().delete_context(put["keys"][-1])

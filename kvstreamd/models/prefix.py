@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..client import ChunkEvent, Client
+from ..events import End
 from .smollm2 import cache_from_kv, kv_from_cache
 
 
@@ -31,7 +32,7 @@ class Reuse:
     kv_tokens: int = 0  # of which arrived as KV
     text_tokens: int = 0  # of which this process recomputed (TEXT chunks)
     events: list[ChunkEvent] = field(default_factory=list)
-    end: dict | None = None  # the daemon's end event (timings, levels, bytes, errors)
+    end: End | None = None  # the daemon's end event (timings, levels, bytes, errors)
     fetch_s: float = 0.0  # from the request to the last chunk in the buffer
     recompute_s: float = 0.0  # TEXT chunks, run here
     ttft_s: float | None = None  # prompt in -> first generated token (set by generate)
