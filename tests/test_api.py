@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import struct
 from pathlib import Path
 

@@ -422,7 +422,8 @@ async def test_a_chunk_that_decodes_to_the_wrong_shape_becomes_text(inprocess, s
     (b,) = await inprocess(["b"])
     tokens, kv = context(600)
     payloads = encoded(kv, small_profile)
-    payloads[1] = codec.encode(kv[:, :, 256:356].contiguous(), "balanced", small_profile, start=256)  # 100 tokens, not 256
+    short = kv[:, :, 256:356].contiguous()  # 100 tokens where the chunk has 256
+    payloads[1] = codec.encode(short, "balanced", small_profile, start=256)
     await ScriptedPeer("holder", serve_chunks(payloads)).join(b, keys_of(tokens))
     await sees(b, "holder", tokens, 600)
     async with client(b) as cb:
@@ -478,7 +479,8 @@ async def test_a_chunk_damaged_on_its_holders_disk_is_never_served_as_kv(inproce
             assert events[1].kind == "text"
             for ev in events:
                 if ev.kind == "kv":
-                    assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.level, ev.start, ev.end))
+                    want = decoded(kv, small_profile, ev.level, ev.start, ev.end)
+                    assert torch.equal(f.kv[:, :, ev.start:ev.end], want)
         end = as_dict(f.end)
         assert end["kv_tokens"] + end["text_tokens"] == 600
         assert any(re.search(r"\ba\b", e) for e in end["errors"]), end["errors"]  # names the holder
