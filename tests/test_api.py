@@ -5,7 +5,6 @@ be malformed, through kvstreamd.client otherwise. No subprocess, no root."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
@@ -35,12 +34,6 @@ def context(n: int, seed: int = 0, first: int = 1000) -> tuple[list[int], torch.
 
 def shape(t: int) -> list[int]:
     return [*SHAPE[:2], t, *SHAPE[3:]]
-
-
-def as_dict(ev) -> dict:
-    """A fetch's start or end event as a dict (the client hands them over as dicts or as
-    kvstreamd.events dataclasses)."""
-    return ev if isinstance(ev, dict) else dataclasses.asdict(ev)
 
 
 def keys_hex(tokens: list[int], model_id: str = MODEL) -> list[str]:
@@ -218,7 +211,7 @@ async def test_a_fetch_buffer_has_the_dtype_asked_for(inprocess, small_profile):
         await ca.put(MODEL, tokens, kv)
         async with await ca.fetch(MODEL, tokens, dtype=torch.float32) as f:
             events = [ev async for ev in f]
-            assert as_dict(f.start)["dtype"] == "float32" and f.kv.dtype == torch.float32
+            assert f.start.dtype == "float32" and f.kv.dtype == torch.float32
             for ev in events:
                 want = codec.decode(codec.encode(kv[:, :, ev.start:ev.end].contiguous(), ev.level, small_profile,
                                                  start=ev.start))
@@ -233,9 +226,9 @@ async def test_a_fetch_asking_for_gpu_memory_on_a_daemon_without_one_uses_shared
         await ca.put(MODEL, tokens, kv)
         async with await ca.fetch(MODEL, tokens, device="cuda") as f:
             await f.wait()
-            start = as_dict(f.start)
-            assert start["device"] == "cpu" and start["gpu_unavailable"]
-            assert f.kv is not None and not f.kv.is_cuda and as_dict(f.end)["kv_tokens"] == 300
+            assert f.start.device == "cpu" and f.start.gpu_unavailable
+            assert f.kv is not None and not f.kv.is_cuda and f.end.kv_tokens == 300
+
 
 # -- malformed requests: 4xx with a JSON error code --------------------------------------------------
 
@@ -394,7 +387,7 @@ async def test_the_blocking_client_puts_looks_up_lists_fetches_and_deletes(inpro
     await asyncio.to_thread(round_trip)
 
 
-async def test_the_async_client_puts_looks_up_lists_and_fetches(inprocess, small_profile):
+async def test_the_async_client_puts_looks_up_lists_fetches_and_deletes(inprocess, small_profile):
     (a,) = await inprocess(["a"])
     tokens, kv = context(600)
     async with client(a) as ca:
@@ -408,7 +401,9 @@ async def test_the_async_client_puts_looks_up_lists_and_fetches(inprocess, small
                 want = codec.decode(codec.encode(kv[:, :, ev.start:ev.end].contiguous(), ev.level, small_profile,
                                                  start=ev.start))
                 assert torch.equal(f.kv[:, :, ev.start:ev.end], want)
-        assert as_dict(f.end)["kv_tokens"] == 600
+        assert f.end.kv_tokens == 600
+        assert await ca.delete_context(put["keys"][-1]) == 3
+        assert await ca.contexts() == [] and (await ca.lookup(MODEL, tokens))["found_tokens"] == 0
 
 
 async def test_the_async_client_has_every_method_of_the_blocking_client(inprocess):
@@ -429,7 +424,7 @@ async def test_a_fetch_used_as_a_context_manager_releases_its_buffer(inprocess):
     async with client(a) as ca:
         await ca.put(MODEL, tokens, kv)
         async with await ca.fetch(MODEL, tokens, deadline_ms=30_000) as f:
-            name = as_dict(f.start)["buffer"]
+            name = f.start.buffer
             assert shm_exists(name) and (await ca.status())["buffers_held"] == 1
             [ev async for ev in f]
         assert not shm_exists(name)
@@ -444,7 +439,7 @@ async def test_a_fetch_block_left_by_an_exception_still_releases_its_buffer(inpr
         await ca.put(MODEL, tokens, kv)
         with pytest.raises(RuntimeError, match="model crashed"):
             async with await ca.fetch(MODEL, tokens, deadline_ms=30_000) as f:
-                name = as_dict(f.start)["buffer"]
+                name = f.start.buffer
                 async for _ in f:
                     raise RuntimeError("model crashed")
         assert not shm_exists(name)

@@ -7,7 +7,6 @@ No subprocess, no root."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import re
 import struct
@@ -50,12 +49,6 @@ def keys_of(tokens: list[int], model_id: str = MODEL, chunk: int = CHUNK) -> lis
         parent = h.digest()
         keys.append(parent)
     return keys
-
-
-def as_dict(ev) -> dict:
-    """A fetch's start or end event as a dict (the client hands them over as dicts or as
-    kvstreamd.events dataclasses)."""
-    return ev if isinstance(ev, dict) else dataclasses.asdict(ev)
 
 
 def bounds(n: int) -> list[tuple[int, int]]:
@@ -183,7 +176,7 @@ async def test_local_chunks_come_from_the_store_and_the_rest_from_a_peer(inproce
         await sees(b, "a", tokens, 600)
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             events = await events_of(f)
-            assert as_dict(f.start)["local_tokens"] == 256
+            assert f.start.local_tokens == 256
             assert [(ev.kind, ev.source) for ev in events] == [("kv", "local"), ("kv", "a"), ("kv", "a")]
             for ev in events:
                 assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.level, ev.start, ev.end))
@@ -201,8 +194,8 @@ async def test_a_stored_contexts_partial_last_chunk_matches_a_longer_prompt_loca
             assert [(ev.start, ev.end, ev.kind, ev.source) for ev in events] == [
                 (0, 256, "kv", "local"), (256, 512, "kv", "local"), (512, 600, "kv", "local")]
             assert torch.equal(f.kv[:, :, 512:600], decoded(kv, small_profile, events[2].level, 512, 600))
-    end = as_dict(f.end)
-    assert end["prefill_from"] == 600 and end["prefill_tokens"] == 40
+    end = f.end
+    assert end.prefill_from == 600 and end.prefill_tokens == 40
 
 
 async def test_a_peers_partial_last_chunk_matches_a_longer_prompt(inprocess, small_profile):
@@ -219,8 +212,8 @@ async def test_a_peers_partial_last_chunk_matches_a_longer_prompt(inprocess, sma
             assert [(ev.start, ev.end, ev.kind, ev.source) for ev in events] == [
                 (0, 256, "kv", "a"), (256, 512, "kv", "a"), (512, 600, "kv", "a")]
             assert torch.equal(f.kv[:, :, 512:600], decoded(kv, small_profile, events[2].level, 512, 600))
-    end = as_dict(f.end)
-    assert end["kv_tokens"] == 600 and end["prefill_tokens"] == 40
+    end = f.end
+    assert end.kv_tokens == 600 and end.prefill_tokens == 40
 
 
 async def test_a_prompt_with_no_cached_prefix_is_a_miss_with_no_buffer(inprocess):
@@ -234,11 +227,11 @@ async def test_a_prompt_with_no_cached_prefix_is_a_miss_with_no_buffer(inprocess
         assert await cb.lookup(MODEL, other) == {"prompt_tokens": 400, "chunks": 2, "local_tokens": 0, "peers": {},
                                                  "found_tokens": 0}
         async with await cb.fetch(MODEL, other, deadline_ms=30_000) as f:
-            assert as_dict(f.start)["buffer"] is None and f.found_tokens == 0
+            assert f.start.buffer is None and f.found_tokens == 0
             assert await events_of(f) == []
             assert f.kv is None
-        end = as_dict(f.end)
-        assert end["found_tokens"] == 0 and end["prefill_from"] == 0 and end["prefill_tokens"] == 400
+        end = f.end
+        assert end.found_tokens == 0 and end.prefill_from == 0 and end.prefill_tokens == 400
         assert (await cb.status())["buffers_held"] == 0
 
 
@@ -283,7 +276,7 @@ async def test_a_fetch_streams_from_the_peer_holding_the_longest_run(inprocess):
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             events = await events_of(f)
     assert [ev.source for ev in events] == ["c", "c", "c"]
-    assert as_dict(f.end)["errors"] == []
+    assert f.end.errors == []
 
 
 
@@ -319,10 +312,10 @@ async def test_when_the_only_holder_goes_away_mid_fetch_the_rest_comes_as_text_w
             assert [(ev.kind, ev.source) for ev in events] == [("kv", "flaky"), ("text", "fallback"),
                                                                  ("text", "fallback")]
             assert torch.equal(f.kv[:, :, :256], codec.decode(payloads[0]))
-        end = as_dict(f.end)
-        assert end["kv_tokens"] == 256 and end["text_tokens"] == 344
-        assert end["text_ranges"] == [[256, 512], [512, 600]]
-        assert len(end["errors"]) == 1 and "flaky" in end["errors"][0], end["errors"]
+        end = f.end
+        assert end.kv_tokens == 256 and end.text_tokens == 344
+        assert end.text_ranges == [[256, 512], [512, 600]]
+        assert len(end.errors) == 1 and "flaky" in end.errors[0], end.errors
         # the node keeps serving: healthy, nothing left in flight, and it forgot the holder
         assert (await cb.health())["status"] == "ok"
         await until("a fetch or a buffer is still held", lambda: _idle(cb))
@@ -347,7 +340,7 @@ async def test_when_a_holders_daemon_stops_its_peers_forget_it_and_fetch_from_an
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             events = await events_of(f)
         assert [(ev.kind, ev.source) for ev in events] == [("kv", "c")] * 3
-        assert as_dict(f.end)["errors"] == []
+        assert f.end.errors == []
 
 async def test_a_holder_that_ends_the_stream_with_an_error_costs_only_its_remaining_chunks(inprocess, small_profile):
     (b,) = await inprocess(["b"])
@@ -363,9 +356,9 @@ async def test_a_holder_that_ends_the_stream_with_an_error_costs_only_its_remain
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             events = await events_of(f)
         assert [(ev.kind, ev.source) for ev in events] == [("kv", "flaky"), ("kv", "flaky"), ("text", "fallback")]
-        end = as_dict(f.end)
-        assert end["text_ranges"] == [[512, 600]]
-        assert any("flaky" in e and "disk on fire" in e for e in end["errors"]), end["errors"]
+        end = f.end
+        assert end.text_ranges == [[512, 600]]
+        assert any("flaky" in e and "disk on fire" in e for e in end.errors), end.errors
         assert (await cb.health())["status"] == "ok"
 
 
@@ -391,9 +384,9 @@ async def test_when_a_holder_goes_away_mid_fetch_a_second_holder_sends_the_rest_
             assert torch.equal(f.kv[:, :, :256], codec.decode(payloads[0]))
             for ev in events[1:]:
                 assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.level, ev.start, ev.end))
-        end = as_dict(f.end)
-        assert end["kv_tokens"] == 600 and end["text_tokens"] == 0
-        assert len(end["errors"]) == 1 and "flaky" in end["errors"][0], end["errors"]
+        end = f.end
+        assert end.kv_tokens == 600 and end.text_tokens == 0
+        assert len(end.errors) == 1 and "flaky" in end.errors[0], end.errors
         assert len(holder.fetches) == 1 and len(holder.fetches[0].keys) == 3
 
 
@@ -413,9 +406,9 @@ async def test_a_chunk_that_does_not_decode_becomes_text_and_the_others_still_la
             assert events[1].error
             assert torch.equal(f.kv[:, :, :256], codec.decode(payloads[0]))
             assert torch.equal(f.kv[:, :, 512:600], codec.decode(payloads[2]))
-        end = as_dict(f.end)
-        assert end["text_ranges"] == [[256, 512]] and end["kv_tokens"] == 344
-        assert any("chunk 1" in e for e in end["errors"]), end["errors"]
+        end = f.end
+        assert end.text_ranges == [[256, 512]] and end.kv_tokens == 344
+        assert any("chunk 1" in e for e in end.errors), end.errors
 
 
 async def test_a_chunk_that_decodes_to_the_wrong_shape_becomes_text(inprocess, small_profile):
@@ -430,7 +423,7 @@ async def test_a_chunk_that_decodes_to_the_wrong_shape_becomes_text(inprocess, s
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             events = await events_of(f)
         assert [ev.kind for ev in events] == ["kv", "text", "kv"]
-        assert as_dict(f.end)["text_ranges"] == [[256, 512]]
+        assert f.end.text_ranges == [[256, 512]]
 
 
 async def test_a_chunk_the_holder_sends_as_text_is_a_text_event_from_that_holder(inprocess, small_profile):
@@ -452,8 +445,8 @@ async def test_a_chunk_the_holder_sends_as_text_is_a_text_event_from_that_holder
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             events = await events_of(f)
     assert [(ev.kind, ev.source) for ev in events] == [("kv", "holder"), ("text", "holder"), ("kv", "holder")]
-    end = as_dict(f.end)
-    assert end["text_ranges"] == [[256, 512]] and end["errors"] == []
+    end = f.end
+    assert end.text_ranges == [[256, 512]] and end.errors == []
 
 
 def damage(d, key: bytes) -> None:
@@ -481,9 +474,9 @@ async def test_a_chunk_damaged_on_its_holders_disk_is_never_served_as_kv(inproce
                 if ev.kind == "kv":
                     want = decoded(kv, small_profile, ev.level, ev.start, ev.end)
                     assert torch.equal(f.kv[:, :, ev.start:ev.end], want)
-        end = as_dict(f.end)
-        assert end["kv_tokens"] + end["text_tokens"] == 600
-        assert any(re.search(r"\ba\b", e) for e in end["errors"]), end["errors"]  # names the holder
+        end = f.end
+        assert end.kv_tokens + end.text_tokens == 600
+        assert any(re.search(r"\ba\b", e) for e in end.errors), end.errors  # names the holder
         # the holder drops the damaged chunk, and its peers hear of it
         assert (await ca.lookup(MODEL, tokens))["local_tokens"] == 256
         await sees(b, "a", tokens, 256)
@@ -501,7 +494,7 @@ async def test_a_local_chunk_damaged_on_disk_becomes_text(inprocess, small_profi
             assert [ev.kind for ev in events] == ["kv", "text", "kv"]
             for ev in (events[0], events[2]):
                 assert torch.equal(f.kv[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.level, ev.start, ev.end))
-        assert as_dict(f.end)["text_ranges"] == [[256, 512]]
+        assert f.end.text_ranges == [[256, 512]]
 
 
 # -- serving a peer's FETCH ---------------------------------------------------------------------
