@@ -483,6 +483,22 @@ async def test_a_chunk_damaged_on_its_holders_disk_is_never_served_as_kv(inproce
         assert (await cb.health())["status"] == "ok"
 
 
+async def test_a_chunk_damaged_on_its_holder_costs_only_it_and_the_chunks_after(inprocess, small_profile):
+    """README: "A peer that fails mid-stream costs only the rest of its chunks". The chunk
+    before the damaged one is intact on the holder and must still arrive as KV."""
+    a, b = await inprocess(["a", "b"], store={"memory_budget": 0})
+    await connected(a, b)
+    tokens, kv = context(600)
+    async with client(a) as ca, client(b) as cb:
+        keys = [bytes.fromhex(k) for k in (await ca.put(MODEL, tokens, kv))["keys"]]
+        await sees(b, "a", tokens, 600)
+        damage(a, keys[1])
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            events = await events_of(f)
+            assert [(ev.kind, ev.source) for ev in events[:2]] == [("kv", "a"), ("text", "fallback")], events
+            assert torch.equal(f.kv[:, :, :256], decoded(kv, small_profile, events[0].level, 0, 256))
+
+
 async def test_a_local_chunk_damaged_on_disk_becomes_text(inprocess, small_profile):
     (a,) = await inprocess(["a"], store={"memory_budget": 0})
     tokens, kv = context(600)
