@@ -233,11 +233,16 @@ class PeerManager:
 
     async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
         """Send the chunks, each at the level the adaptive rule picks; None if some are not held."""
-        missing = [i for i, r in enumerate(recs) if r is None]
+        # Chunks from the first one not held (evicted, or damaged on disk) are not sent: the held
+        # ones before it are, then NOT_FOUND names it, and the fetcher looks for it elsewhere.
+        held = next((i for i, r in enumerate(recs) if r is None), len(recs))
+        missing = f"chunk {held} ({fetch.keys[held].hex()[:16]}) is not held here" if held < len(recs) else None
         if missing:
             self.metrics.error("fetch_not_found")
-            await served.fail(NOT_FOUND, f"chunk {missing[0]} ({fetch.keys[missing[0]].hex()[:16]}) is not held here")
+        if held == 0:
+            await served.fail(NOT_FOUND, missing)
             return None
+        recs = recs[:held]
         coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs)]
         sizes = {lv: [len(r.levels[lv]) for r in recs] for lv in coded}
         sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
@@ -256,7 +261,10 @@ class PeerManager:
             sizes = {coded[0]: sizes[coded[0]]}
         done = await send_chunks(served, sizes, lambda i, lv: recs[i].levels[lv], lambda i: list(recs[i].tokens),
                                  rule, estimator, work, catalog.dppl_table(coded),
-                                 on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc())
+                                 on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc(),
+                                 count=held)
+        if missing:
+            await served.fail(NOT_FOUND, missing)
         return done.coded_bytes, done.busy_s, estimator, done.sender, done.started
 
     # -- reporting -------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from codec import catalog
 from codec.errors import CodecError
 from transport import aio
+from transport.messages import NOT_FOUND
 from transport.policy import TEXT
 
 from . import events
@@ -161,7 +162,9 @@ class FetchJob:
                 if peer is not None:
                     failed.add(peer)
                     continue
-                break
+                await out.put(_Item(i, "text", TEXT, "fallback"))  # nobody reachable holds chunk i
+                i += 1
+                continue
             t = time.perf_counter()
             stream = conn.fetch(p.keys[i:end], max(self._remaining_ms(), 1), self.levels + [TEXT],
                                 decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps)
@@ -183,9 +186,22 @@ class FetchJob:
                     i = j + 1
                 if stream.end is not None and stream.end.deadline_missed:
                     self.result.deadline_missed = True
+            except aio.FetchFailed as e:
+                if e.code == NOT_FOUND:
+                    # The holder lost chunk i (evicted or damaged) after it advertised it: it sent the
+                    # chunks before it and may still serve those after; only chunk i looks elsewhere.
+                    self.peers.directory.remove(peer, [p.keys[i]])
+                    why = f"peer {peer} no longer holds chunk {i}: {e.msg}"
+                    log.info("%s; that chunk comes from another peer or as text", why)
+                else:
+                    failed.add(peer)
+                    why = f"peer {peer} failed at chunk {i}: {e.code}: {e.msg}"
+                    log.warning("%s; the rest comes from another peer or as text", why)
+                    self.metrics.error("peer_fetch_failed")
+                self.result.errors.append(why)
             except aio.TransportError as e:
                 failed.add(peer)
-                why = f"peer {peer} failed at chunk {i}: {e.code}: {e.msg}" if hasattr(e, "code") else f"peer {peer}: {e}"
+                why = f"peer {peer} failed at chunk {i}: {e.code}: {e.msg}"
                 log.warning("%s; the rest comes from another peer or as text", why)
                 self.result.errors.append(why)
                 self.metrics.error("peer_fetch_failed")

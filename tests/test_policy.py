@@ -437,3 +437,13 @@ def test_adaptive_rule_meets_more_deadlines_than_cachegen_at_no_worse_quality():
             assert adaptive[0] >= got[baseline][0], (chunks, deadline_s, baseline, got)
             assert adaptive[1] <= got[baseline][1], (chunks, deadline_s, baseline, got)
     print(f"{'all':>15}  " + "  ".join(f"{met:>5.0%} {dppl:>+6.2f}%{'':7}" for met, dppl in totals.values()))
+
+
+async def test_send_chunks_with_a_count_sends_that_many_and_leaves_the_request_open():
+    """A holder that lost chunk 2 of 4 sends chunks 0 and 1, then ends the request itself (an ERROR)."""
+    served = FakeServedFetch(4, mbit(100))
+    sizes, work = _send_sizes(2)
+    done = await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1],
+                             fixed(["high", "high"]), BandwidthEstimator(), work, {"high": 0.0, TEXT: 0.0}, count=2)
+    assert [i for i, _, _ in served.written] == [0, 1]
+    assert served.ended == [] and done.sender.levels == ["high", "high"]

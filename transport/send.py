@@ -31,9 +31,11 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                       rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
                       dppl: Mapping[str, float], *,
                       on_sent: Callable[[int, str, int], None] | None = None,
-                      before_send: Callable[[int, str], None] | None = None) -> Sent:
+                      before_send: Callable[[int, str], None] | None = None,
+                      count: int | None = None) -> Sent:
     """Send every chunk of `served`'s FETCH, then END "ok" with whether its deadline (counted
-    from the FETCH's arrival) was missed.
+    from the FETCH's arrival) was missed. With `count` short of the FETCH's chunks, send chunks
+    [0, count) only and leave the request open: the caller ends it with an ERROR.
 
     `sizes[level][i]` is chunk i's size at each level on offer (TEXT among them if allowed),
     `payload_of(i, level)` its encoded bytes, `text_of(i)` its token ids; `work_s` and `dppl`
@@ -49,7 +51,7 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
         rtt = await served.peer.ping()
         sent_at, acked_at = await served.peer.probe(probe.size)
         probe.record(estimator, sent_at, acked_at, rtt=rtt)
-    chunks = len(served.fetch.keys)
+    chunks = len(served.fetch.keys) if count is None else count
     sender = FetchSender(served.req, chunks, sizes, max(served.remaining() * 1000, 1.0), loop.time(),
                          rule, estimator, work_s, dppl)
     coded = 0
@@ -70,5 +72,6 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
         busy += acked_at - sent_at
         sender.on_ack(ack.i, nbytes, sent_at, acked_at)
     missed = sender.deadline_missed(loop.time())
-    await served.end(deadline_missed=missed)
+    if chunks == len(served.fetch.keys):
+        await served.end(deadline_missed=missed)
     return Sent(sender, coded, busy, started, missed)
