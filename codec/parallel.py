@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import _posixshmem  # CPython's shm_open/shm_unlink, as kvstreamd/shm.py uses them
 import concurrent.futures as cf
+import logging
 import mmap
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import secrets
+import signal
 import threading
 import time
 import weakref
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -23,6 +27,8 @@ import torch
 
 from . import bitstream as bs, cachegen, decoder, levels, profile as profiles
 from .profile import Profile
+
+log = logging.getLogger("codec.parallel")
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -170,18 +176,151 @@ def _encode_part(name: str, shape: tuple, dtype_code: int, level: str, profile_i
         shm.close()
 
 
+class WorkerLost(RuntimeError):
+    """A codec worker process died (killed, out of memory) under the same job twice: the job
+    fails with this, naming how the worker died, and the pool has replaced its workers."""
+
+
 class CodecPool:
     """A pool of codec worker processes. `decode(data)` and `encode(kv, ...)` give the same
-    results as codec.decode / codec.encode, split across the workers by substream."""
+    results as codec.decode / codec.encode, split across the workers by substream.
+
+    A worker that dies (the OOM killer, a stray SIGKILL) breaks a ProcessPoolExecutor for good,
+    so the pool replaces the executor: a watcher thread does it as soon as a worker dies, and a
+    job that saw it die is run once more on the new workers (coding is a pure function of the
+    job's segments, so a rerun gives the same bytes). `fault()` says why the pool is short of
+    workers while it is."""
 
     def __init__(self, workers: int | None = None, profile_paths: tuple[str, ...] = (),
                  warm_levels: tuple[str, ...] = levels.LADDER):
         self.workers = workers or os.cpu_count() or 1
-        self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                            initargs=(tuple(map(str, profile_paths)), tuple(warm_levels)))
+        self._initargs = (tuple(map(str, profile_paths)), tuple(warm_levels))
         self._arena = _Arena()
+        self._lock = threading.Lock()  # held while the workers are replaced
+        self._closed = False
+        self._replacing: str | None = None  # why the workers are being replaced, while they are
+        self._start_failed: str | None = None  # why the last replacement could not start workers
+        self.restarts = 0  # times the workers were replaced
+        self.last_loss: str | None = None  # how a worker last died
+        self._lost: tuple[cf.ProcessPoolExecutor, str] | None = None  # the last broken executor, and why
+        self._pool = self._start()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="codec-pool-watch")
+        self._watcher.start()
+
+    def _start(self) -> cf.ProcessPoolExecutor:
+        pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                      initargs=self._initargs)
         # Start the workers now (spawn + warm-up take seconds), not inside the first request.
-        cf.wait([self._pool.submit(os.getpid) for _ in range(self.workers)])
+        try:
+            for f in [pool.submit(os.getpid) for _ in range(self.workers)]:
+                f.result()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        return pool
+
+    # -- worker deaths -----------------------------------------------------------------------
+
+    def pids(self) -> list[int]:
+        """The worker processes' pids."""
+        return list(self._pool._processes or ())
+
+    def fault(self) -> str | None:
+        """Why the pool is short of workers now (one died and is being replaced, or new ones
+        could not be started), or None."""
+        return self._replacing or self._start_failed or self._dead(self._pool)
+
+    @staticmethod
+    def _dead(pool: cf.ProcessPoolExecutor) -> str | None:
+        """How a worker of `pool` died, or None while all live. The executor keeps its
+        processes in `_processes` (no public list); their sentinels are ready once they exited."""
+        procs = list((pool._processes or {}).values())
+        try:
+            gone = set(mp.connection.wait([p.sentinel for p in procs], timeout=0))
+        except (OSError, ValueError):  # a process object closed under us: the pool is shutting down
+            return None
+        dead = [p for p in procs if p.sentinel in gone]
+        if not dead:
+            return "the codec worker processes were lost" if pool._broken else None
+        # A broken executor SIGTERMs the workers still alive: name the one that died first.
+        dead.sort(key=lambda p: p.exitcode == -signal.SIGTERM)
+        p = dead[0]
+        for _ in range(20):  # None while the executor's thread is reaping it this instant
+            if (code := p.exitcode) is not None:
+                break
+            time.sleep(0.005)
+        else:
+            return f"codec worker process {p.pid} died"
+        if code < 0:
+            return f"codec worker process {p.pid} was killed by {signal.Signals(-code).name}"
+        return f"codec worker process {p.pid} exited with status {code}"
+
+    def _watch(self) -> None:
+        """Replace the workers as soon as one dies, whether or not a job was running on it."""
+        backoff = 0.5
+        while not self._closed:
+            pool = self._pool
+            try:
+                mp.connection.wait([p.sentinel for p in list((pool._processes or {}).values())], timeout=1.0)
+            except (OSError, ValueError):
+                time.sleep(0.1)
+            if self._closed or cf.process._global_shutdown:  # workers go with the interpreter
+                return
+            why = self._dead(pool)
+            if why is None:
+                continue
+            if self._replace(pool, why):
+                backoff = 0.5
+            else:
+                time.sleep(backoff)
+                backoff = min(2 * backoff, 30.0)
+
+    def _replace(self, broken: cf.ProcessPoolExecutor, why: str) -> bool:
+        """New workers for a broken executor (once, whoever notices first); False if they
+        could not be started (the next attempt is the watcher's)."""
+        with self._lock:
+            if self._pool is not broken or self._closed:
+                return True
+            self._replacing = why
+            self._lost = (broken, why)
+            log.warning("%s; starting new codec workers", why)
+            broken.shutdown(wait=False, cancel_futures=True)
+            t0 = time.monotonic()
+            try:
+                self._pool = self._start()
+            except Exception as e:
+                self._start_failed = f"{why}; new codec workers could not be started: {type(e).__name__}: {e}"
+                log.error("%s", self._start_failed)
+                return False
+            finally:
+                self._replacing = None
+            self._start_failed = None
+            self.restarts += 1
+            self.last_loss = why
+            log.warning("codec workers replaced in %.1f s (%s)", time.monotonic() - t0, why)
+            return True
+
+    def _run(self, jobs: list[tuple]) -> list:
+        """[fn(*args) for (fn, *args) in jobs], in the workers. A worker that dies under them
+        costs one rerun on new workers; dying again raises WorkerLost, saying how it died."""
+        for attempt in (1, 2):
+            pool, futures = self._pool, []
+            try:
+                futures = [pool.submit(*job) for job in jobs]
+                return [f.result() for f in futures]
+            except BrokenProcessPool as e:
+                cf.wait(futures)
+                lost = self._lost
+                why = (lost[1] if lost is not None and lost[0] is pool else self._dead(pool)) \
+                    or f"a codec worker process died ({e})"
+                self._replace(pool, why)
+                if attempt == 2:
+                    raise WorkerLost(f"{why}, twice under the same job; the job is failed") from None
+                log.warning("%s; running the job again on new workers", why)
+            except BaseException:
+                cf.wait(futures)  # the others still write into the job's segments
+                raise
+        raise AssertionError("unreachable")
 
     def _split(self, n: int) -> list[range]:
         """Streams 0..n in one consecutive run per worker."""
@@ -194,21 +333,16 @@ class CodecPool:
         """Decode several chunks at once: every worker stays busy across chunk boundaries,
         which is how a fetch's decode stage sees them. Validation happens before any work."""
         headers = [decoder.read(data, profile)[0] for data in chunks]
-        taken, futures = [], []
+        taken, jobs = [], []
         try:
             for data, h in zip(chunks, headers):
                 out_bytes = int(np.prod(h.shape)) * h.dtype.itemsize
                 name, mm = self._arena.take(out_bytes + len(data))
                 taken.append((name, mm, out_bytes))
                 mm[out_bytes:out_bytes + len(data)] = data
-                futures.append([self._pool.submit(_decode_part, name, len(mm), out_bytes, len(data), part)
-                                for part in self._split(2 * h.layers)])
-            for parts in futures:
-                for f in parts:
-                    f.result()
+                jobs += [(_decode_part, name, len(mm), out_bytes, len(data), part) for part in self._split(2 * h.layers)]
+            self._run(jobs)  # a failed chunk: _run lets the others finish before the segments are reused
         except BaseException:
-            for parts in futures:  # a failed chunk: let the others finish before reusing
-                cf.wait(parts)
             for name, mm, _ in taken:
                 self._arena.give(name, mm)
             raise
@@ -237,9 +371,9 @@ class CodecPool:
             np.frombuffer(shm.buf, np.uint8, count=raw.nbytes)[:] = raw
             L, _, T, H, D = kv.shape
             ns = bs.sink_rows(start, profile.sink_tokens, T, lv.transforms)
-            futures = [self._pool.submit(_encode_part, shm.name, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
-                                         lv.name, profile.id, start, ns, part) for part in self._split(2 * L)]
-            subs = [s for f in futures for s in f.result()]
+            subs = [s for part in self._run([(_encode_part, shm.name, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
+                                              lv.name, profile.id, start, ns, part) for part in self._split(2 * L)])
+                    for s in part]
         finally:
             shm.close()
             shm.unlink()
@@ -249,7 +383,9 @@ class CodecPool:
         return bs.pack(header)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._closed = True  # before the workers go: the watcher must not replace them
+        with self._lock:
+            self._pool.shutdown(wait=True, cancel_futures=True)
         self._arena.close()
 
     def __enter__(self) -> "CodecPool":

@@ -12,7 +12,7 @@ import torch
 
 from codec import baselines, catalog, levels as codec_levels, profile as profiles
 from codec.errors import CodecError
-from codec.parallel import CodecPool
+from codec.parallel import CodecPool, WorkerLost
 from codec.profile import Profile
 
 log = logging.getLogger("kvstreamd.coder")
@@ -82,7 +82,10 @@ class Coder:
         if scheme.kind == "baseline":
             return baselines.SCHEMES[level].decode(payload)
         t0 = time.perf_counter()
-        kv = self.pool.decode(payload)
+        try:
+            kv = self.pool.decode(payload)
+        except WorkerLost as e:  # twice: the fetch takes this chunk as TEXT, as for one that does not decode
+            raise CodecError(f"decoding it cost a codec worker: {e}") from e
         self.observe(kv.numel() * 2 / 1e6, time.perf_counter() - t0)
         return kv
 

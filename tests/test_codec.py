@@ -274,3 +274,55 @@ def test_pool_reuses_its_segments_and_a_result_outlives_the_pool(small_profile):
         assert len(ours()) == 2 and torch.equal(third, want)  # reused, not a third segment
     assert not ours()  # closed: unlinked, while `third` is still mapped and whole
     assert torch.equal(third, want)
+
+
+# -- a worker that dies ------------------------------------------------------------------------
+def _replaced(pool, restarts: int, timeout: float = 60.0) -> bool:
+    """Wait until the pool has replaced its workers `restarts` times; True if fault() said so
+    on the way."""
+    import time
+    seen, t0 = False, time.monotonic()
+    while pool.restarts < restarts:
+        seen = seen or pool.fault() is not None
+        assert time.monotonic() - t0 < timeout, "the pool did not replace its workers"
+        time.sleep(0.01)
+    return seen
+
+
+def test_a_killed_worker_is_replaced_and_the_next_calls_succeed(small_profile):
+    import signal
+    kv = synthetic_kv(64, 5).to(torch.float16)
+    data = codec.encode(kv, "balanced", small_profile, start=0)
+    with CodecPool(2, profile_paths=(small_profile.path,), warm_levels=()) as pool:
+        victim = pool.pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        assert _replaced(pool, 1), "fault() never said the pool was short of a worker"
+        assert pool.fault() is None and len(pool.pids()) == 2 and victim not in pool.pids()
+        assert pool.last_loss == f"codec worker process {victim} was killed by SIGKILL"
+        assert torch.equal(pool.decode(data), codec.decode(data))
+        assert pool.encode(kv, "balanced", small_profile, start=0) == data
+
+
+def test_a_call_whose_worker_is_killed_under_it_runs_again_on_new_workers(small_profile):
+    import signal
+    import threading
+    import time
+    with CodecPool(1, profile_paths=(small_profile.path,), warm_levels=()) as pool:
+        victim, out = pool.pids()[0], []
+        t = threading.Thread(target=lambda: out.append(pool._run([(time.sleep, 1.0)])))
+        t.start()
+        time.sleep(0.3)  # the sleep is running in the worker
+        os.kill(victim, signal.SIGKILL)
+        t.join(60)
+        assert out == [[None]] and pool.restarts == 1
+
+
+def test_a_call_that_kills_its_worker_twice_fails_naming_how_and_the_pool_lives_on(small_profile):
+    from codec.parallel import WorkerLost
+    kv = synthetic_kv(64, 6).to(torch.float16)
+    data = codec.encode(kv, "fast", small_profile, start=0)
+    with CodecPool(1, profile_paths=(small_profile.path,), warm_levels=()) as pool:
+        with pytest.raises(WorkerLost, match=r"codec worker process \d+ exited with status 3, twice"):
+            pool._run([(os._exit, 3)])
+        _replaced(pool, 2)
+        assert torch.equal(pool.decode(data), codec.decode(data))
