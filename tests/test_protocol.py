@@ -25,7 +25,8 @@ from transport.protocol import (AUTH_FAILED, BAD_CRC, BAD_FRAME, BAD_MESSAGE, BA
 
 SECRET = b"cluster-secret"
 NOW = 1.0
-KEYS = [b"k0", b"k1", b"k2"]
+KEYS = [bytes([n]) * 32 for n in range(3)]  # chunk keys are 32 bytes (blake2b-256)
+K = b"k" * 32
 
 
 def nonce(byte: int):
@@ -154,7 +155,7 @@ def test_message_before_the_handshake_is_refused_naming_the_state():
 def test_message_instead_of_auth_is_refused():
     c, s = client(), server()
     s.receive_data(c.data_to_send(), NOW)
-    s.receive_data(frame(**to_wire(Advertise([b"k"]))), NOW)
+    s.receive_data(frame(**to_wire(Advertise([K]))), NOW)
     ev = closed_with(s, UNEXPECTED_MESSAGE)
     assert "ADVERTISE" in ev.msg and "AUTH_WAIT" in ev.msg
 
@@ -169,7 +170,7 @@ def test_sending_before_ready_raises_and_sends_nothing():
     c = client()
     c.data_to_send()
     with pytest.raises(LocalProtocolError, match="HELLO_SENT"):
-        c.send(Advertise([b"k"]), NOW)
+        c.send(Advertise([K]), NOW)
     assert c.data_to_send() == b""
 
 
@@ -204,7 +205,7 @@ def test_handshake_frames_are_capped_before_authentication():
 
 def test_after_the_handshake_the_configured_limit_applies():
     c, s = ready_pair(max_frame_bytes=2**20)
-    s.receive_data(frame(**to_wire(Advertise([b"k" * 64] * 2000))), NOW)  # ~130 KiB
+    s.receive_data(frame(**to_wire(Advertise([K] * 4000))), NOW)  # ~140 KiB
     assert [type(e) for e in events(s)] == [MessageReceived]
 
 
@@ -274,8 +275,9 @@ def test_decoder_yields_frames_with_their_wire_size_across_splits():
 
 def test_every_message_round_trips_through_the_wire():
     msgs = [Hello(PROTO, "n", {"a": [1, 2.5, None, b"x"]}, b"\x01" * 32), Auth(b"p" * 32),
-            Advertise([b"k"]), Withdraw([b"k"]), Fetch(3, KEYS, 500, ["high", "fast"], 250.0),
-            Fetch(4, KEYS, 500, [], None), Chunk.of(3, 1, "fast", b"abc"), Text(3, 2, [1, 2]),
+            Advertise([K]), Withdraw([K]), Fetch(3, KEYS, 500, ["high", "fast"], 250.0),
+            Fetch(4, KEYS, 500, [], None), Chunk.of(3, 1, "fast", b"abc"), Chunk.of(3, 1, "fast", b"abc", K),
+            Text(3, 2, [1, 2]),
             Ack(3, 1, 99), End(3, "ok", True), Cancel(3), Error("x", "y"), Error("x", "y", 3),
             Ping(1.5), Ping(1.5, b"pad"), Pong(1.5)]
     for m in msgs:
@@ -286,8 +288,8 @@ def test_every_message_round_trips_through_the_wire():
 
 
 @pytest.mark.parametrize("wire, where", [
-    ({"t": "FETCH", "req": 1, "keys": [b"k"], "levels": []}, "missing field 'deadline_ms'"),
-    ({"t": "FETCH", "req": "1", "keys": [b"k"], "deadline_ms": 1, "levels": []}, "FETCH.req"),
+    ({"t": "FETCH", "req": 1, "keys": [K], "levels": []}, "missing field 'deadline_ms'"),
+    ({"t": "FETCH", "req": "1", "keys": [K], "deadline_ms": 1, "levels": []}, "FETCH.req"),
     ({"t": "FETCH", "req": 1, "keys": [], "deadline_ms": 1, "levels": []}, "FETCH.keys"),
     ({"t": "FETCH", "req": 1, "keys": ["k"], "deadline_ms": 1, "levels": []}, "FETCH.keys: item 0"),
     ({"t": "CHUNK", "req": 1, "i": True, "level": "h", "payload": b"", "crc": 0}, "CHUNK.i"),
@@ -301,21 +303,51 @@ def test_bad_fields_raise_bad_message_naming_the_field(wire, where):
     assert e.value.code == BAD_MESSAGE and where in e.value.msg
 
 
+@pytest.mark.parametrize("n", [0, 1, 31, 33, 64])
+@pytest.mark.parametrize("wire, where", [
+    ({"t": "ADVERTISE", "keys": [K, None]}, "ADVERTISE.keys: item 1"),
+    ({"t": "WITHDRAW", "keys": [K, None]}, "WITHDRAW.keys: item 1"),
+    ({"t": "FETCH", "req": 1, "keys": [K, None], "deadline_ms": 1, "levels": []}, "FETCH.keys: item 1"),
+    ({"t": "CHUNK", "req": 1, "i": 0, "level": "high", "payload": b"", "crc": 0, "key": None}, "CHUNK.key"),
+])
+def test_a_chunk_key_of_any_length_but_32_bytes_is_a_bad_message_naming_the_field(wire, where, n):
+    if wire["t"] == "CHUNK":
+        wire = {**wire, "key": b"x" * n}
+    else:
+        wire = {**wire, "keys": [K, b"x" * n]}
+    with pytest.raises(ProtocolError) as e:
+        from_wire(wire)
+    assert e.value.code == BAD_MESSAGE and where in e.value.msg
+    assert f"expected a chunk key of 32 bytes, got {n}" in e.value.msg
+
+
+def test_an_advertise_with_a_short_key_closes_the_connection_with_bad_message():
+    c, s = ready_pair()
+    s.receive_data(frame(**to_wire(Advertise([K, b"k"]))), NOW)
+    assert "ADVERTISE.keys: item 1" in closed_with(s, BAD_MESSAGE).msg
+
+
+def test_a_chunk_without_a_key_is_read_as_before():
+    wire = to_wire(Chunk.of(3, 1, "fast", b"abc"))
+    assert "key" not in wire  # what a sender before the field sends, and what it reads
+    assert from_wire(wire).key is None
+
+
 def test_unknown_fields_are_ignored():
     c, s = client(), server()
     hello = to_wire(Hello(PROTO, "node-a", {}, b"\x01" * 32)) | {"future_field": [1, 2]}
     s.receive_data(frames.encode_frame(hello), NOW)
     assert s.state is State.AUTH_WAIT
     c, s = ready_pair()
-    s.receive_data(frames.encode_frame(to_wire(Advertise([b"k"])) | {"ttl": 30}), NOW)
-    assert events(s) == [MessageReceived(Advertise([b"k"]))]
+    s.receive_data(frames.encode_frame(to_wire(Advertise([K])) | {"ttl": 30}), NOW)
+    assert events(s) == [MessageReceived(Advertise([K]))]
 
 
 def test_unknown_type_after_the_handshake_gets_an_error_and_the_connection_stays_open():
     c, s = ready_pair()
-    s.receive_data(frame(t="GOSSIP", x=1) + frame(**to_wire(Advertise([b"k"]))), NOW)
+    s.receive_data(frame(t="GOSSIP", x=1) + frame(**to_wire(Advertise([K]))), NOW)
     assert s.state is State.READY
-    assert events(s) == [MessageReceived(Advertise([b"k"]))]
+    assert events(s) == [MessageReceived(Advertise([K]))]
     (err,) = wire_frames(s.data_to_send())
     assert err["code"] == UNKNOWN_TYPE and "GOSSIP" in err["msg"]
     c.receive_data(frames.encode_frame(err), NOW)
@@ -425,7 +457,7 @@ def test_cancel_reaches_the_server_and_late_chunks_are_dropped_unacked():
 
 def test_ack_after_end_is_still_delivered_and_cancel_after_end_is_ignored():
     c, s = ready_pair()
-    req = fetch(c, s, keys=[b"k"])
+    req = fetch(c, s, keys=[K])
     s.send(Text(req, 0, [1]), NOW)
     s.send(End(req, "ok", False), NOW)
     s.receive_data(frame(**to_wire(Cancel(req))) + frame(**to_wire(Ack(req, 0, 5))), NOW)
@@ -515,11 +547,11 @@ def conversation(pieces: list[int]) -> tuple[list, list]:
         logs[id(conn)].append(ev)
         msg = getattr(ev, "msg", None)
         if isinstance(ev, HandshakeComplete) and conn is c:
-            c.send(Advertise([b"a1", b"a2"]), NOW)
+            c.send(Advertise([b"a1" * 16, b"a2" * 16]), NOW)
             c.send(Fetch(0, KEYS, 5000, ["high", "fast"], 120.0), NOW)
             c.ping(NOW)
         elif isinstance(ev, HandshakeComplete):
-            s.send(Advertise([b"b1"]), NOW)
+            s.send(Advertise([b"b1" * 16]), NOW)
         elif isinstance(msg, Fetch):
             s.send(Chunk.of(msg.req, 0, "high", big), NOW)
             s.send(Text(msg.req, 1, list(range(300))), NOW)

@@ -16,7 +16,7 @@ from transport.requests import (DELIVER, DROP, FETCHER, RULES, SENDER, ReceiveBu
 
 SECRET = b"cluster-secret"
 NOW = 1.0
-KEYS = [b"k0", b"k1", b"k2"]
+KEYS = [bytes([n]) * 32 for n in range(3)]  # chunk keys are 32 bytes
 DEADLINE_MS = 1000
 
 
@@ -92,7 +92,7 @@ def _one_chunk_in(c, s):
 
 
 def _ended(c, s):
-    req = fetch(c, s, keys=[b"k"])
+    req = fetch(c, s, keys=[b"k" * 32])
     send_chunks(c, s, req, [0])
     s.send(End(req, "ok", False), NOW)
     deliver(s, c)
@@ -191,7 +191,7 @@ def test_either_side_may_fetch_and_each_direction_keeps_its_own_req_sequence():
     c, s = ready_pair()
     assert fetch(c, s) == 0
     req = s.next_request_id()
-    s.send(Fetch(req, [b"x"], 100, []), NOW)  # the sender fetches back, also from req 0
+    s.send(Fetch(req, [b"x" * 32], 100, []), NOW)  # the sender fetches back, also from req 0
     assert [type(e) for e in deliver(s, c)] == [FetchReceived] and req == 0
     c.send(Text(req, 0, [9]), NOW)
     c.send(End(req, "ok", False), NOW)
@@ -243,7 +243,7 @@ def test_an_ack_must_name_a_chunk_sent_of_a_request_fetched(ack, what):
 
 def test_acks_that_cross_the_end_are_still_delivered():
     c, s = ready_pair()
-    req = fetch(c, s, keys=[b"k"])
+    req = fetch(c, s, keys=[b"k" * 32])
     size = s.send(Text(req, 0, [1]), NOW)
     s.send(End(req, "ok", False), NOW)
     assert s.serving == {}
@@ -403,7 +403,7 @@ def test_received_chunks_count_as_buffered_until_taken():
 
 def test_reading_pauses_above_the_limit_and_resumes_at_half_of_it():
     c, s = ready_pair(max_buffered_bytes=250)
-    req = fetch(c, s, keys=[b"k"] * 4)
+    req = fetch(c, s, keys=[b"k" * 32] * 4)
     for i in range(4):
         s.send(Chunk.of(req, i, "high", bytes(100)), NOW)
     evs = deliver(s, c)
@@ -418,7 +418,7 @@ def test_reading_pauses_above_the_limit_and_resumes_at_half_of_it():
 
 def test_a_complete_fetch_keeps_its_chunks_buffered_until_taken():
     c, s = ready_pair()
-    req = fetch(c, s, keys=[b"k"])
+    req = fetch(c, s, keys=[b"k" * 32])
     s.send(Chunk.of(req, 0, "high", bytes(50)), NOW)
     s.send(End(req, "ok", False), NOW)
     chunk, _ = deliver(s, c)
@@ -431,7 +431,7 @@ def test_a_complete_fetch_keeps_its_chunks_buffered_until_taken():
 def test_a_fetch_that_fails_releases_what_it_buffered(ending):
     c, s = ready_pair(max_buffered_bytes=50)
     req = fetch(c, s)
-    keep = fetch(c, s, keys=[b"k"])
+    keep = fetch(c, s, keys=[b"k" * 32])
     s.send(Chunk.of(req, 0, "high", bytes(100)), NOW)
     s.send(Chunk.of(keep, 0, "high", bytes(10)), NOW)
     got = deliver(s, c)

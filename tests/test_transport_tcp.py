@@ -17,7 +17,7 @@ HOST = "127.0.0.1"
 LIMIT = 10  # seconds; a bound on every test, never a timing assertion
 
 _rng = random.Random(7)
-PAYLOADS = {f"key-{n}".encode(): _rng.randbytes(_rng.randrange(20_000, 200_000)) for n in range(40)}
+PAYLOADS = {f"key-{n}".encode().ljust(32, b"."): _rng.randbytes(_rng.randrange(20_000, 200_000)) for n in range(40)}
 KEYS = list(PAYLOADS)
 
 
@@ -89,8 +89,8 @@ async def test_handshake_makes_both_sides_ready(server):
         assert await peer.ping() > 0
         sent_at, acked_at = await peer.probe(256 * 1024)
         assert acked_at > sent_at
-        await peer.send(Advertise([b"k1"]))
-        assert await srv_side.recv() == Advertise([b"k1"])
+        await peer.send(Advertise([b"k1" * 16]))
+        assert await srv_side.recv() == Advertise([b"k1" * 16])
         peer.close()
         assert (await srv_side.wait_closed()).by_peer
 
@@ -234,7 +234,7 @@ async def test_every_chunk_is_acked_with_its_wire_size():
 
 async def test_handler_failure_ends_only_that_request():
     async def handler(served: aio.ServedFetch, fetch) -> None:
-        if fetch.keys[0] == b"bad":
+        if fetch.keys[0] == b"bad".ljust(32, b"."):
             raise RuntimeError("disk on fire")
         await served.send_text(0, [1, 2, 3])
         await served.end()
@@ -243,9 +243,9 @@ async def test_handler_failure_ends_only_that_request():
         async with await aio.serve(HOST, 0, "srv", SECRET, handler) as srv:
             peer = await aio.connect(HOST, srv.port, "cli", SECRET)
             with pytest.raises(aio.FetchFailed) as e:
-                await fetch_all(peer, [b"bad"])
+                await fetch_all(peer, [b"bad".ljust(32, b".")])
             assert e.value.code == INTERNAL and "disk on fire" in e.value.msg
-            assert await fetch_all(peer, [b"good"]) == [Text(1, 0, [1, 2, 3])]
+            assert await fetch_all(peer, [b"good" * 8]) == [Text(1, 0, [1, 2, 3])]
             peer.close()
 
 
@@ -300,7 +300,7 @@ async def test_either_side_can_serve_fetches(server):
         peer = await aio.connect(HOST, server.port, "cli", SECRET, handler=client_handler)
         (srv_side,) = server.connections
         await srv_side.wait_ready()
-        assert await fetch_all(srv_side, [b"k"]) == [Text(0, 0, [42])]
+        assert await fetch_all(srv_side, [b"k" * 32]) == [Text(0, 0, [42])]
         assert_complete(await fetch_all(peer, KEYS[:2]), KEYS[:2])
         peer.close()
 

@@ -128,6 +128,9 @@ class ServedFetch:
         self.cancelled = False  # the peer sent CANCEL
         self.ended = False  # END or a request ERROR was sent
         self.task: asyncio.Task | None = None
+        # the key each CHUNK i carries when send_chunk is given none: the handler sets it to the
+        # keys of the records it serves, so what arrives says what it is (None: no key sent)
+        self.chunk_keys: list[bytes] | None = None
         self._send = send  # the connection's request-message writer (waits for the drain)
         self._clock = asyncio.get_running_loop().time
 
@@ -135,11 +138,15 @@ class ServedFetch:
         """Seconds left before the deadline (negative once it has passed)."""
         return self.deadline - self._clock()
 
-    async def send_chunk(self, i: int, level: str, payload: bytes, crc: int | None = None) -> int:
-        """Send chunk i at `level`; returns the frame's wire size (what its ACK reports)."""
+    async def send_chunk(self, i: int, level: str, payload: bytes, crc: int | None = None,
+                         key: bytes | None = None) -> int:
+        """Send chunk i at `level`, saying it is the chunk of `key` (default: chunk_keys[i]);
+        returns the frame's wire size (what its ACK reports)."""
         # crc32 runs at several GB/s (about 1 ms for 4 MiB), so it stays on the loop; a store
         # that keeps each chunk's crc can pass it and skip even that
-        msg = Chunk(self.req, i, level, payload, zlib.crc32(payload) if crc is None else crc)
+        if key is None and self.chunk_keys is not None and i < len(self.chunk_keys):
+            key = self.chunk_keys[i]
+        msg = Chunk(self.req, i, level, payload, zlib.crc32(payload) if crc is None else crc, key)
         return await self._send(msg)
 
     async def send_text(self, i: int, tokens: list[int]) -> int:

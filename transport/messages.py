@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar
 PROTO = 1  # the major protocol version; compatible changes add fields or caps, never bump it
 NONCE_BYTES = 32
 MAX_NODE_ID_BYTES = 255
-MAX_KEY_BYTES = 64  # chunk keys are blake2b digests (at most 64 bytes)
+KEY_BYTES = 32  # a chunk key is a blake2b-256 digest (kvstreamd/keys.py); no other length is one
 
 # Error codes. Connection-level ERRORs (req absent) close the connection, except UNKNOWN_TYPE;
 # an ERROR with a req ends only that request. docs/protocol.md lists when each is sent.
@@ -70,7 +70,7 @@ class Advertise(Message):
     """Chunk keys the sender now holds."""
 
     TYPE: ClassVar[str] = "ADVERTISE"
-    keys: list[bytes]  # chunk keys, each 1..64 bytes
+    keys: list[bytes]  # chunk keys, each KEY_BYTES long
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Withdraw(Message):
     """Chunk keys the sender no longer holds."""
 
     TYPE: ClassVar[str] = "WITHDRAW"
-    keys: list[bytes]  # chunk keys, each 1..64 bytes
+    keys: list[bytes]  # chunk keys, each KEY_BYTES long
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,14 @@ class Chunk(Message):
     level: str  # the level the payload is encoded at
     payload: bytes  # the encoded chunk (a codec bitstream)
     crc: int  # zlib.crc32 of payload, checked by the receiver
+    # the key of the chunk the payload is, as the sender's store holds it; the fetcher refuses
+    # a chunk whose key is not the one it asked for. None: not said (senders before it had it)
+    key: bytes | None = None
 
     @classmethod
-    def of(cls, req: int, i: int, level: str, payload: bytes) -> Chunk:
+    def of(cls, req: int, i: int, level: str, payload: bytes, key: bytes | None = None) -> Chunk:
         """A CHUNK with its crc computed from the payload."""
-        return cls(req, i, level, payload, zlib.crc32(payload))
+        return cls(req, i, level, payload, zlib.crc32(payload), key)
 
 
 @dataclass(frozen=True)
@@ -270,9 +273,13 @@ def _list(v: Any, item: Callable[[Any], Any], min_len: int = 0) -> list:
 
 
 def _key(v: Any) -> bytes:
-    if not 1 <= len(_bytes(v)) <= MAX_KEY_BYTES:
-        raise ValueError(f"expected a key of 1..{MAX_KEY_BYTES} bytes, got {len(v)}")
+    if len(_bytes(v)) != KEY_BYTES:
+        raise ValueError(f"expected a chunk key of {KEY_BYTES} bytes, got {len(v)}")
     return v
+
+
+def _optional_key(v: Any) -> bytes | None:
+    return None if v is None else _key(v)
 
 
 def _native(v: Any, depth: int = 0) -> None:
@@ -309,7 +316,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
             "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
             "recompute_tps": _optional_positive_float},
-    Chunk: {"req": _uint, "i": _uint, "level": _str, "payload": _bytes, "crc": _uint32},
+    Chunk: {"req": _uint, "i": _uint, "level": _str, "payload": _bytes, "crc": _uint32, "key": _optional_key},
     Text: {"req": _uint, "i": _uint, "tokens": lambda v: _list(v, _uint)},
     Ack: {"req": _uint, "i": _uint, "recv_bytes": _uint},
     End: {"req": _uint, "status": _str, "deadline_missed": _bool},
@@ -318,7 +325,8 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Ping: {"time": _float, "pad": _optional_bytes},
     Pong: {"time": _float},
 }
-_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Error, "req"), (Ping, "pad")}  # may be absent on the wire (= nil)
+_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Chunk, "key"), (Error, "req"),
+             (Ping, "pad")}  # may be absent on the wire (= nil)
 
 
 def to_wire(msg: Message) -> dict:
