@@ -26,18 +26,26 @@ def _frame(code: int, kv: torch.Tensor, payload: bytes) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def _unframe(data: bytes, code: int) -> tuple[tuple[int, ...], torch.dtype, memoryview]:
+def header(data: bytes | memoryview) -> tuple[int, tuple[int, ...], torch.dtype]:
+    """A baseline bitstream's scheme code, shape [L, 2, T, H, D] and dtype as its header
+    declares them, read without checking or decoding the rest (CodecError if it is none)."""
     data = memoryview(data).cast("B")
     if len(data) < _HEAD.size + 4 or bytes(data[:4]) != MAGIC:
         raise CodecError("not a kvstreamd baseline bitstream")
-    _, got, dtype, L, H, D, T = _HEAD.unpack_from(data)
+    _, code, dtype, L, H, D, T = _HEAD.unpack_from(data)
+    if dtype not in bs.DTYPES:
+        raise CodecError(f"unknown dtype code {dtype}")
+    return code, (L, 2, T, H, D), bs.DTYPES[dtype]
+
+
+def _unframe(data: bytes, code: int) -> tuple[tuple[int, ...], torch.dtype, memoryview]:
+    got, shape, dtype = header(data)
+    data = memoryview(data).cast("B")
     if got != code:
         raise CodecError(f"baseline bitstream is scheme {got}, expected {code}")
     if zlib.crc32(data[:-4]) != struct.unpack_from("<I", data, len(data) - 4)[0]:
         raise CodecError("baseline bitstream checksum mismatch")
-    if dtype not in bs.DTYPES:
-        raise CodecError(f"unknown dtype code {dtype}")
-    return (L, 2, T, H, D), bs.DTYPES[dtype], data[_HEAD.size:-4]
+    return shape, dtype, data[_HEAD.size:-4]
 
 
 def _take(buf: memoryview, pos: int, n: int) -> tuple[memoryview, int]:
@@ -67,14 +75,35 @@ class ZstdFP16(FP16):
         raw = kv.to(torch.float16).contiguous().numpy().tobytes()
         return _frame(self.code, kv, zstandard.ZstdCompressor(level=3).compress(raw))
 
+    @staticmethod
+    def declared_bytes(data: bytes | memoryview) -> int | None:
+        """How many bytes the bitstream's zstd frame says it decompresses to (None: it does not
+        say), read from the frame header alone; CodecError if there is no zstd frame."""
+        import zstandard
+
+        data = memoryview(data).cast("B")
+        try:
+            n = zstandard.frame_content_size(data[_HEAD.size:-4])
+        except zstandard.ZstdError as e:
+            raise CodecError(f"zstd payload invalid: {e}") from None
+        return None if n < 0 else n
+
     def decode(self, data: bytes) -> torch.Tensor:
         import zstandard
 
         shape, dtype, p = _unframe(data, self.code)
+        want = int(np.prod(shape)) * 2
+        # A zstd frame that declares its content size is decompressed into that many bytes,
+        # whatever max_output_size says: believe the declaration only when it is the shape's.
+        declared = self.declared_bytes(data)
+        if declared not in (None, want):
+            raise CodecError(f"zstd payload declares {declared} bytes, its shape {list(shape)} is {want}")
         try:
-            raw = zstandard.ZstdDecompressor().decompress(bytes(p), max_output_size=int(np.prod(shape)) * 2)
+            raw = zstandard.ZstdDecompressor().decompress(bytes(p), max_output_size=want)
         except zstandard.ZstdError as e:
             raise CodecError(f"zstd payload invalid: {e}") from None
+        if len(raw) != want:
+            raise CodecError(f"zstd payload holds {len(raw)} bytes, its shape {list(shape)} is {want}")
         return torch.from_numpy(np.frombuffer(raw, np.float16).copy()).view(shape).to(dtype)
 
 

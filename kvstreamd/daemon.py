@@ -61,7 +61,7 @@ class Daemon:
         self.cfg = cfg
         self.node_id = cfg.node.id
         self.metrics = Metrics()
-        self.directory = Directory()
+        self.directory = Directory(cfg.peer.max_keys_per_peer)
         self.store: Store | None = None
         self.coder: Coder | None = None
         self.peers: PeerManager | None = None

@@ -7,11 +7,27 @@ from collections.abc import Iterable, Sequence
 
 
 class Directory:
-    def __init__(self) -> None:
+    def __init__(self, max_keys_per_peer: int | None = None) -> None:
         self._held: dict[str, set[bytes]] = {}
+        self.max_keys_per_peer = max_keys_per_peer  # None: no cap
 
-    def add(self, peer: str, keys: Iterable[bytes]) -> None:
-        self._held.setdefault(peer, set()).update(keys)
+    def add(self, peer: str, keys: Iterable[bytes]) -> int:
+        """Keep `keys` as held by `peer`, up to max_keys_per_peer of them; returns how many
+        new keys were refused for the cap (0 when all were kept)."""
+        held = self._held.setdefault(peer, set())
+        cap = self.max_keys_per_peer
+        if cap is None:
+            held.update(keys)
+            return 0
+        refused = 0
+        for key in keys:
+            if key in held:
+                continue
+            if len(held) >= cap:
+                refused += 1
+            else:
+                held.add(key)
+        return refused
 
     def remove(self, peer: str, keys: Iterable[bytes]) -> None:
         held = self._held.get(peer)

@@ -17,6 +17,10 @@ _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 _SHARE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
+# What a node can be degraded by (kvstreamd_degraded{reason}; Node.degraded() says which now).
+DEGRADED = ("codec_workers", "disk_full", "disk_error")
+
+
 def new_request_id() -> str:
     rid = secrets.token_hex(4)
     request_id.set(rid)
@@ -59,8 +63,15 @@ class Metrics:
         self.fetches_active = Gauge("kvstreamd_fetches_active", "Local fetches in progress", registry=r)
         self.buffers_held = Gauge("kvstreamd_buffers_held", "Shared-memory buffers not yet released", registry=r)
         self.buffer_bytes = Gauge("kvstreamd_buffer_bytes", "Bytes in shared-memory buffers not yet released", registry=r)
-        self.puts = Counter("kvstreamd_put_chunks", "Chunks offered by local puts, by outcome (stored, already_held)",
-                            ["outcome"], registry=r)
+        self.puts = Counter("kvstreamd_put_chunks", "Chunks offered by local puts, by outcome (stored, already_held, "
+                            "memory_only: its file could not be written, refused)", ["outcome"], registry=r)
+        self.degraded = Gauge("kvstreamd_degraded", "1 while the node is degraded for this reason (codec_workers: "
+                              "a worker died and is being replaced; disk_full; disk_error)", ["reason"], registry=r)
+        for reason in DEGRADED:
+            self.degraded.labels(reason).set(0)
+        self.codec_restarts = Counter("kvstreamd_codec_worker_restarts", "Times the codec workers were replaced "
+                                      "after one died", registry=r)
+        self._codec_restarts = 0
         self.encode_seconds = Histogram("kvstreamd_put_encode_seconds", "Encode time per put", registry=r,
                                         buckets=_LATENCY)
         self._ratio_raw: dict[str, float] = {}
@@ -70,6 +81,15 @@ class Metrics:
         self._ratio_raw[level] = self._ratio_raw.get(level, 0.0) + raw_fp16_bytes
         self._ratio_coded[level] = self._ratio_coded.get(level, 0.0) + coded_bytes
         self.compression_ratio.labels(level).set(self._ratio_raw[level] / max(self._ratio_coded[level], 1.0))
+
+    def set_degraded(self, reasons: set[str]) -> None:
+        for reason in DEGRADED:
+            self.degraded.labels(reason).set(1 if reason in reasons else 0)
+
+    def set_codec_restarts(self, n: int) -> None:
+        if n > self._codec_restarts:
+            self.codec_restarts.inc(n - self._codec_restarts)
+            self._codec_restarts = n
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()

@@ -65,7 +65,8 @@ class Node:
         self.started = time.time()
         self.buffers: dict[str, _Held] = {}
         self._stages: dict[bytes, object] = {}  # codec.gpu stages per profile id
-        self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)
+        self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches that need a peer
+        self._local_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches the local store serves whole
         self._active: set[asyncio.Task] = set()
 
     @property
@@ -74,6 +75,7 @@ class Node:
 
     def set_max_fetches(self, n: int) -> None:
         self._fetch_slots = asyncio.Semaphore(n)
+        self._local_slots = asyncio.Semaphore(n)
 
     def profile_for(self, model_id: str) -> Profile:
         try:
@@ -173,10 +175,18 @@ class Node:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def _run_fetch(self, req: FetchRequest, prof: Profile, emit) -> None:
-        async with self._fetch_slots:
-            await self._fetch(req, prof, emit)
+        """Run a fetch in one of [api] max_fetches slots. Local work never queues behind a
+        peer: a fetch the local store serves whole (or a miss) takes a slot of its own pool,
+        so the slots that fetches waiting on peers hold cannot starve it. Those are held at
+        most the fetch's deadline plus grace whatever the peers do (pipeline.py), and the
+        deadline counts from here, so a fetch that waited for a slot has that much less for
+        its peers."""
+        arrived = time.monotonic()
+        p = plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens)
+        async with self._local_slots if p.found == p.local else self._fetch_slots:
+            await self._fetch(req, prof, emit, arrived)
 
-    async def _fetch(self, req: FetchRequest, prof: Profile, emit) -> None:
+    async def _fetch(self, req: FetchRequest, prof: Profile, emit, arrived: float | None = None) -> None:
         self.metrics.fetches_active.inc()
         t0 = time.monotonic()
         cfg = self.cfg
@@ -202,6 +212,7 @@ class Node:
             job = FetchJob(p, req.model_id, tokens, req.deadline_ms or cfg.fetch.deadline_ms, view, self.store,
                            self.peers, self.coder, self.metrics, list(req.levels or cfg.codec.levels))
             job.recompute_tps = req.recompute_tokens_per_s or cfg.fetch.recompute_tokens_per_s
+            job.stall_s, job.started_at = cfg.fetch.stall_s, arrived
             if on_gpu and p.found:
                 job.stages = await asyncio.to_thread(self._stages_for, prof)
             res = await job.run(emit)

@@ -26,7 +26,9 @@ the order the changes happened.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,7 +47,31 @@ Callback = Callable[[list[bytes]], None]
 
 class StoreError(Exception):
     """A chunk the store cannot take (over both budgets, or disk-only and the write failed), or a
-    store that is not open."""
+    store that is not open. `os_error`: the failed write's error, when that is why."""
+
+    def __init__(self, message: str, os_error: OSError | None = None) -> None:
+        super().__init__(message)
+        self.os_error = os_error
+
+
+# A write that failed for want of room is a "disk_full" fault until the file system has this
+# much room beyond the chunk again (or a write succeeds); any other failed write is a
+# "disk_error" fault until a write succeeds.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+ROOM_MARGIN = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where a put left a new chunk."""
+    on_disk: bool  # its file is written: it survives a restart
+    disk_error: OSError | None  # why its file could not be written (it is in memory only), else None
+
+
+@dataclass(frozen=True)
+class DiskFault:
+    reason: str  # "disk_full" or "disk_error"
+    message: str
 
 
 @dataclass(frozen=True)
@@ -120,6 +146,7 @@ class Store:
         self._inflight: set[bytes] = set()  # keys being put
         self._evictions = 0
         self._disk_errors = 0
+        self._write_fault: tuple[OSError, int] | None = None  # the last write's error, the bytes it needed
         self._opened = False
         self._closed = False
 
@@ -169,12 +196,17 @@ class Store:
     # -- writes -----------------------------------------------------------------------------
 
     def put(self, rec: ChunkRecord) -> bool:
+        """put_to(), True when the chunk was stored."""
+        return self.put_to(rec) is not None
+
+    def put_to(self, rec: ChunkRecord) -> Stored | None:
         """Store a chunk (memory tier, written through to disk when it has one). False, with
         nothing rewritten, when the key is already held or being put; a put of a key whose
         delete is deferred by a pin cancels that delete. ValueError for a malformed record (the
         key must be chunk_key(parent, model_id, tokens)); StoreError when it fits neither budget,
         or fits only the disk and the write fails. A failed write of a chunk that fits memory is
-        logged and counted in usage().disk_errors; the chunk stays in memory and put returns True."""
+        logged and counted in usage().disk_errors; the chunk stays in memory, and the Stored returned
+        says so. None when already held (the put that returns False)."""
         rec = chunkfile.normalise(rec)
         key, nb = rec.key, rec.nbytes
         with self._lock:
@@ -182,7 +214,7 @@ class Store:
                 raise StoreError("store is not open")
             if key in self._meta or key in self._inflight:
                 self._doomed.discard(key)
-                return False
+                return None
             to_mem = nb <= self._mem.budget
             to_disk = self._files is not None and 0 < self._disk.budget and nb <= self._disk.budget
             if not (to_mem or to_disk):
@@ -192,19 +224,24 @@ class Store:
                                  f"({self._mem.budget} bytes) and the {where}")
             self._inflight.add(key)
         try:
-            written = False
+            written, error = False, None
             if to_disk:
                 try:
                     self._files.write(rec)
                     written = True
+                    with self._lock:
+                        self._write_fault = None
                 except OSError as e:
+                    error = e
                     with self._lock:
                         self._disk_errors += 1
+                        self._write_fault = (e, nb + 4 * len(rec.tokens))
                     log.warning("chunk %s: disk write failed (%s)%s", key.hex(), e,
                                 "; kept in memory only" if to_mem else "")
                     if not to_mem:
                         raise StoreError(f"chunk {key.hex()[:16]} of {nb} bytes exceeds the memory budget "
-                                         f"({self._mem.budget} bytes) and writing it to disk failed: {e}") from e
+                                         f"({self._mem.budget} bytes) and writing it to disk failed: {e}",
+                                         e) from e
             with self._lock:
                 self._add_meta(key, _meta_of(rec))
                 if to_mem:
@@ -221,7 +258,7 @@ class Store:
                 self._inflight.discard(key)
                 self._idle.notify_all()
         self._run_callbacks()
-        return True
+        return Stored(written, error)
 
     def delete(self, key: bytes) -> bool:
         """Drop a chunk from both tiers. Deferred to the last unpin when pinned (it stays held and
@@ -412,6 +449,38 @@ class Store:
             return Usage(len(self._meta), self._mem.bytes, self._mem.budget, self._disk.bytes, self._disk.budget,
                          len(self._mem), len(self._disk), sum(1 for c in self._pins.values() if c > 0),
                          self._evictions, self._disk_errors)
+
+    def placement(self, keys: Sequence[bytes]) -> list[str | None]:
+        """Where each chunk is: "disk" (its file: it survives a restart), "memory" (memory only:
+        lost on a restart), or None (not held)."""
+        with self._lock:
+            return ["disk" if k in self._disk else "memory" if k in self._mem else None for k in keys]
+
+    def disk_fault(self) -> DiskFault | None:
+        """Why chunks cannot be written to disk now, or None: after a write failed for want of
+        room, "disk_full" until the file system has room for that chunk again (checked here, so
+        it clears by itself when room is made) or a write succeeds; after any other failed
+        write, "disk_error" until a write succeeds."""
+        with self._lock:
+            fault = self._write_fault
+        if fault is None:
+            return None
+        e, need = fault
+        if e.errno in NO_ROOM:
+            try:
+                st = os.statvfs(self._dir)
+                room = st.f_bavail * st.f_frsize
+            except OSError:
+                room = 0
+            if room >= need + ROOM_MARGIN:
+                with self._lock:
+                    if self._write_fault is fault:
+                        self._write_fault = None
+                return None
+            return DiskFault("disk_full", f"the store's disk ({self._dir}) is full: {e.strerror}; "
+                                          f"new chunks are kept in memory only")
+        return DiskFault("disk_error", f"writing chunks to {self._dir} fails: {e}; "
+                                       f"new chunks are kept in memory only")
 
     # -- helpers (all but _run_callbacks need self._lock) -------------------------------------
 

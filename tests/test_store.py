@@ -2,6 +2,7 @@
 files, contexts with shared prefixes, budgets, a really full disk (tmpfs) and threads."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -597,6 +598,33 @@ def test_full_disk_keeps_chunks_in_memory_and_counts_errors(small_fs, caplog):
     s.close()
     s2, report = open_store(small_fs)
     assert report.corrupt == [] and report.loaded == len(chunk_files(small_fs))
+
+
+def test_put_to_says_a_chunk_whose_file_could_not_be_written_is_in_memory_only(small_fs):
+    s, _ = open_store(small_fs, mem=8 * 2**20, disk=8 * 2**20)
+    recs = make_context(n_chunks=20, payload=100 * KIB)
+    where = [s.put_to(r) for r in recs]
+    assert where[0].on_disk and where[0].disk_error is None
+    full = [w for w in where if not w.on_disk]
+    assert full and all(w.disk_error.errno == errno.ENOSPC for w in full)
+    assert s.placement([r.key for r in recs]) == ["disk" if w.on_disk else "memory" for w in where]
+    assert s.put_to(recs[0]) is None  # already held
+
+
+def test_a_full_disk_is_a_fault_until_it_has_room_again(small_fs):
+    s, _ = open_store(small_fs, mem=8 * 2**20, disk=8 * 2**20)
+    assert s.disk_fault() is None
+    filler = small_fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(bytes(64 * KIB))
+    s.put(make_context(n_chunks=1, payload=100 * KIB)[0])
+    fault = s.disk_fault()
+    assert fault.reason == "disk_full" and str(small_fs) in fault.message and "No space left" in fault.message
+    filler.unlink()
+    assert s.disk_fault() is None  # room again: no write needed to see it
+    assert s.put_to(make_context(n_chunks=1, payload=100 * KIB, seed=9)[0]).on_disk
 
 
 # -- threads ------------------------------------------------------------------------------------

@@ -221,6 +221,56 @@ async def test_cancel_stops_the_stream_at_once_and_the_connection_stays_usable()
             peer.close()
 
 
+async def test_a_fetch_from_a_peer_that_sends_nothing_stalls_after_stall_s_and_is_cancelled_on_the_wire():
+    cancelled = asyncio.Event()
+
+    async def silent(served, fetch):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async with asyncio.timeout(LIMIT):
+        async with await aio.serve(HOST, 0, "srv", SECRET, silent) as srv:
+            peer = await aio.connect(HOST, srv.port, "cli", SECRET)
+            t0 = asyncio.get_running_loop().time()
+            call = peer.fetch(KEYS[:3], 30_000, ["high"], stall_s=0.3)
+            with pytest.raises(aio.FetchStalled, match="sent nothing"):
+                await anext(call)
+            assert 0.3 <= asyncio.get_running_loop().time() - t0 < 1.3
+            await cancelled.wait()  # the server's handler saw the CANCEL
+            peer.close()
+
+
+async def test_a_fetch_still_moving_at_its_time_limit_times_out_and_is_cancelled_on_the_wire():
+    cancelled = asyncio.Event()
+
+    async def slow(served, fetch):  # a chunk every 0.1 s: never silent for stall_s, never done in time
+        try:
+            for i, key in enumerate(fetch.keys):
+                await served.send_chunk(i, "high", PAYLOADS[key])
+                await asyncio.sleep(0.1)
+            await served.end()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async with asyncio.timeout(LIMIT):
+        async with await aio.serve(HOST, 0, "srv", SECRET, slow) as srv:
+            peer = await aio.connect(HOST, srv.port, "cli", SECRET)
+            t0 = asyncio.get_running_loop().time()
+            got = []
+            with pytest.raises(aio.FetchTimedOut):
+                async for m in peer.fetch(KEYS[:30], 30_000, ["high"], stall_s=0.3, limit_s=0.6):
+                    got.append(m)
+            assert 0.6 <= asyncio.get_running_loop().time() - t0 < 1.6
+            assert 2 <= len(got) < 30 and [m.i for m in got] == list(range(len(got)))
+            await cancelled.wait()
+            assert_complete(await fetch_all(peer, KEYS[:2]), KEYS[:2])  # the connection still serves
+            peer.close()
+
+
 async def test_every_chunk_is_acked_with_its_wire_size():
     acks: list = []
     async with asyncio.timeout(LIMIT):

@@ -13,7 +13,8 @@ from typing import Any, Awaitable, Callable, Coroutine
 
 from . import frames
 from .calls import (ConnectionClosedError, FetchCall, FetchCancelled, FetchError, FetchFailed,
-                    FetchInterrupted, HandshakeError, ServedFetch, TransportError)
+                    FetchInterrupted, FetchStalled, FetchTimedOut, HandshakeError, ServedFetch,
+                    TransportError)
 from .events import (AckReceived, CancelReceived, ChunkReceived, ConnectionClosed, EndReceived,
                      ErrorReceived, FetchReceived, HandshakeComplete, MessageReceived)
 from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, NORMAL, NOT_FOUND, Cancel, Chunk, End,
@@ -24,7 +25,8 @@ from .requests import DEFAULT_MAX_BUFFERED_BYTES
 __all__ = ["PeerConnection", "Server", "serve", "connect", "run", "loop_factory", "Handler",
            "OnConnect", "FetchCall", "ServedFetch", "TransportError", "HandshakeError",
            "ConnectionClosedError", "FetchError", "FetchFailed", "FetchCancelled",
-           "FetchInterrupted", "DEFAULT_HANDSHAKE_TIMEOUT", "DEFAULT_MAX_BUFFERED_BYTES"]
+           "FetchInterrupted", "FetchStalled", "FetchTimedOut", "DEFAULT_HANDSHAKE_TIMEOUT",
+           "DEFAULT_MAX_BUFFERED_BYTES"]
 
 log = logging.getLogger("kvstreamd.transport")
 
@@ -71,6 +73,7 @@ class PeerConnection(asyncio.Protocol):
         self._handshake_timeout = handshake_timeout
         self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
+        self.last_received = self._loop.time()  # loop time the latest bytes came from the peer
         self._transport: asyncio.Transport | None = None
         self._ready: asyncio.Future[None] = self._loop.create_future()
         self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen by connect() only
@@ -135,26 +138,32 @@ class PeerConnection(asyncio.Protocol):
             raise StopAsyncIteration from None
 
     def fetch(self, keys: list[bytes], deadline_ms: int, levels: list[str],
-              decode_mbps: float | None = None, recompute_tps: float | None = None) -> FetchCall:
-        """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives)."""
+              decode_mbps: float | None = None, recompute_tps: float | None = None, *,
+              stall_s: float | None = None, limit_s: float | None = None) -> FetchCall:
+        """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives).
+        With `stall_s` the iterator gives up (FetchStalled) on a peer silent that long, with
+        `limit_s` (FetchTimedOut) that many seconds from now; both send CANCEL (FetchCall)."""
         self._check_open()
         req = self.conn.next_request_id()
-        call = FetchCall(self, req, self._taken)
+        call = FetchCall(self, req, self._taken, stall_s=stall_s, limit_s=limit_s)
         self._calls[req] = call
         self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps, recompute_tps),
                        self._loop.time())
         self._flush()
         return call
 
-    async def cancel(self, req: int) -> None:
-        """Cancel our fetch `req` at once: its iterator raises FetchCancelled, late chunks
-        are dropped. A no-op for a request that is already over."""
+    async def cancel(self, req: int, error: FetchError | None = None) -> None:
+        """Cancel our fetch `req` at once: its iterator raises `error` (default
+        FetchCancelled), late chunks are dropped. A no-op for a request that is already over.
+        Never waits for the write buffer to drain: a peer that stopped reading must not hold
+        up the fetcher that gives up on it (the CANCEL is tiny and goes out when it can)."""
         call = self._calls.pop(req, None)
         if call is None:
             return
-        call.finish(None, FetchCancelled("cancelled", "cancelled by this side", req))
+        call.finish(None, error or FetchCancelled("cancelled", "cancelled by this side", req))
         if self.conn.state is State.READY:
-            await self._send(Cancel(req))
+            self.conn.send(Cancel(req), self._loop.time())
+            self._flush()
 
     async def ping(self) -> float:
         """Round-trip time in seconds, measured with PING/PONG."""
@@ -203,7 +212,8 @@ class PeerConnection(asyncio.Protocol):
         self._flush()  # our HELLO
 
     def data_received(self, data: bytes) -> None:
-        self.conn.receive_data(data, self._loop.time())
+        self.last_received = self._loop.time()
+        self.conn.receive_data(data, self.last_received)
         self._process()
 
     def eof_received(self) -> bool:

@@ -10,7 +10,11 @@ from typing import Any, Awaitable, Callable, Protocol
 from .messages import Ack, Chunk, End, Error, Fetch, Message, Text
 
 __all__ = ["TransportError", "HandshakeError", "ConnectionClosedError", "FetchError", "FetchFailed",
-           "FetchCancelled", "FetchInterrupted", "FetchCall", "ServedFetch"]
+           "FetchCancelled", "FetchInterrupted", "FetchStalled", "FetchTimedOut", "FetchCall", "ServedFetch"]
+
+# The codes of the two endings this side gives a fetch itself (it also sends CANCEL for both).
+STALLED = "stalled"
+TIMED_OUT = "timed_out"
 
 
 class Peer(Protocol):
@@ -18,8 +22,10 @@ class Peer(Protocol):
 
     peer_node_id: str | None
     peer_caps: dict | None
+    last_received: float  # loop time the latest bytes arrived from the peer
+    reading_paused: bool  # this side stopped reading (its receive buffer is full)
 
-    async def cancel(self, req: int) -> None: ...
+    async def cancel(self, req: int, error: "FetchError | None" = None) -> None: ...
     async def ping(self) -> float: ...
     async def probe(self, size: int) -> tuple[float, float]: ...
 
@@ -63,18 +69,41 @@ class FetchInterrupted(FetchError, ConnectionClosedError):
     """The connection closed before the request's END: what arrived is not the whole context."""
 
 
+class FetchStalled(FetchCancelled):
+    """The peer sent nothing at all (no chunk of this fetch, no byte on the connection) for
+    the fetch's `stall_s` while it was awaited: stopped, partitioned, or ignoring the FETCH.
+    The fetch was cancelled on the wire."""
+
+
+class FetchTimedOut(FetchCancelled):
+    """The fetch's `limit_s` passed before its END: this side stopped waiting and cancelled
+    it on the wire. What arrived before is good; the rest never came."""
+
+
 class FetchCall:
     """The fetcher side of one FETCH: an async iterator of its CHUNK and TEXT messages that
     stops after END "ok" and raises a FetchError for any other ending. Made by
-    PeerConnection.fetch(), which feeds it with deliver() and finish()."""
+    PeerConnection.fetch(), which feeds it with deliver() and finish().
 
-    def __init__(self, peer: Peer, req: int, taken: Callable[[Chunk | Text], None]):
+    Whatever the peer does, a call with limits never waits past them: with `stall_s`, once
+    the peer has sent nothing at all (no chunk of this fetch, no byte on the connection) for
+    that long while the call is awaited, it raises FetchStalled; with `limit_s`, once that
+    many seconds have passed since the FETCH, FetchTimedOut. Either sends CANCEL first, so
+    the peer stops sending and frees what it holds for the request. Time this side spends
+    not reading (its receive buffer full) never counts as the peer's silence."""
+
+    def __init__(self, peer: Peer, req: int, taken: Callable[[Chunk | Text], None], *,
+                 stall_s: float | None = None, limit_s: float | None = None):
         self.peer = peer
         self.req = req
         self.end: End | None = None  # the END, once it has arrived (deadline_missed is on it)
+        self.stall_s = stall_s
+        self._clock = asyncio.get_running_loop().time
+        self.until = None if limit_s is None else self._clock() + limit_s  # loop time
         self._taken = taken  # tells the connection a chunk left its buffer
         self._items: asyncio.Queue[Chunk | Text | None] = asyncio.Queue()
         self._final: FetchError | None = None  # set once the request is over and not ok
+        self._moved = self._clock()  # loop time of the FETCH or of its latest chunk
 
     def __aiter__(self) -> FetchCall:
         return self
@@ -82,11 +111,48 @@ class FetchCall:
     async def __anext__(self) -> Chunk | Text:
         if self._items.empty() and (self._final is not None or self.end is not None):
             return self._stop()
-        item = await self._items.get()
+        item = await self._next()
         if item is None:
             return self._stop()
         self._taken(item)
         return item
+
+    async def _next(self) -> Chunk | Text | None:
+        if self.stall_s is None and self.until is None:
+            return await self._items.get()
+        while self._items.empty():
+            now = self._clock()
+            if self.peer.reading_paused:  # our own backlog, not the peer's silence
+                self._moved = now
+            wait = []
+            if self.stall_s is not None:  # first: a silent peer is named so even when time is up too
+                heard = max(self._moved, self.peer.last_received)
+                if now - heard >= self.stall_s:
+                    await self._give_up(FetchStalled(
+                        STALLED, f"the peer sent nothing for {now - heard:.2f} s (stall_s {self.stall_s:g})", self.req))
+                    break
+                wait.append(heard + self.stall_s - now)
+            if self.until is not None:
+                if now >= self.until:
+                    await self._give_up(FetchTimedOut(TIMED_OUT, "no END within the fetch's time limit", self.req))
+                    break
+                wait.append(self.until - now)
+            getter = asyncio.ensure_future(self._items.get())
+            try:
+                await asyncio.wait({getter}, timeout=max(min(wait), 0.001))
+            finally:
+                if not getter.done():
+                    getter.cancel()  # a get cancelled as its item came leaves that item queued
+                    await asyncio.wait({getter})
+            if not getter.cancelled():
+                return getter.result()
+        return self._items.get_nowait()
+
+    async def _give_up(self, error: FetchError) -> None:
+        await self.peer.cancel(self.req, error)
+        if self._final is None:  # the request ended first: its ending stands
+            self._final = error
+            self._items.put_nowait(None)
 
     async def cancel(self) -> None:
         """Stop the fetch: sends CANCEL; this iterator raises FetchCancelled from now on."""
@@ -94,6 +160,7 @@ class FetchCall:
 
     def deliver(self, msg: Chunk | Text) -> None:
         """A chunk of this fetch arrived (checked and acknowledged by the connection)."""
+        self._moved = self._clock()
         self._items.put_nowait(msg)
 
     def finish(self, end: End | None, error: FetchError | None) -> None:
