@@ -3,11 +3,16 @@ receive -> decode -> fill as three asyncio stages joined by bounded queues, so t
 chunk i decodes (in the codec process pool), chunk i+1 arrives and chunk i-1 is copied into
 the client's shared-memory buffer. Each chunk that lands becomes an event for the client: KV
 ready at these token positions, or TEXT the model must recompute. A peer that fails mid-stream
-costs only its remaining chunks: they come from another peer holding them, or as TEXT."""
+costs only its remaining chunks: they come from another peer holding them, or as TEXT.
+
+Whatever the peers do, a fetch ends within its deadline plus grace_s(deadline): peers are
+waited for until the deadline plus half the grace, the other half is for what was received to
+decode and fill. A peer that sends nothing for `stall_s` while it is waited for has stalled:
+its FETCH is cancelled on the wire, its chunks come from another holder (while time is left)
+or as TEXT, and the directory leaves it out of lookups for a cooldown."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,7 +27,6 @@ from transport.messages import NOT_FOUND
 from transport.policy import TEXT
 
 from . import events
-from .admission import Refused, Wanted, admit
 from .coder import Coder
 from .directory import Directory
 from .metrics import Metrics
@@ -33,6 +37,18 @@ from .store import Store
 log = logging.getLogger("kvstreamd.pipeline")
 
 QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
+GRACE_MIN_S = 1.0  # a fetch ends within deadline + max(GRACE_MIN_S, GRACE_SHARE * deadline)
+GRACE_SHARE = 0.10
+STALL_S = 2.0  # [fetch] stall_s: seconds of silence after which a peer has stalled a fetch
+# A peer that stalled is left out of lookups for COOLDOWN_STALLS * stall_s, doubled for each
+# stall in a row (a fetch it completes resets that), at most COOLDOWN_MAX_S.
+COOLDOWN_STALLS = 5
+COOLDOWN_MAX_S = 300.0
+
+
+def grace_s(deadline_ms: float) -> float:
+    """How long past its deadline a fetch may take at most, whatever its peers do."""
+    return max(GRACE_MIN_S, GRACE_SHARE * deadline_ms / 1000)
 
 
 @dataclass
@@ -114,6 +130,8 @@ class FetchJob:
         self.levels = levels
         self.result = FetchResult()
         self.recompute_tps: float | None = None  # the model process's prefill rate, when it said
+        self.stall_s = STALL_S  # a peer silent this long while waited for has stalled ([fetch] stall_s)
+        self.started_at: float | None = None  # time.monotonic() the request arrived; default: run()
         # codec.gpu.CudaStages when the buffer is on a GPU: chunks of the entropy-coded levels
         # then upload, decode and fill on three CUDA streams; others decode on the CPU workers.
         self.stages = None
@@ -122,8 +140,13 @@ class FetchJob:
     def _remaining_ms(self) -> int:
         return int(self.deadline_ms - (time.monotonic() - self._t0) * 1000)
 
+    @property
+    def peers_until(self) -> float:
+        """time.monotonic() after which no peer is waited for: the deadline plus half the grace."""
+        return self._t0 + self.deadline_ms / 1000 + grace_s(self.deadline_ms) / 2
+
     async def run(self, emit: Callable[[events.Event], Awaitable[None]]) -> FetchResult:
-        self._t0 = time.monotonic()
+        self._t0 = self.started_at if self.started_at is not None else time.monotonic()
         received: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
         decoded: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
         stages = [asyncio.ensure_future(self._receive(received)),
@@ -157,8 +180,14 @@ class FetchJob:
             await out.put(item)
         i = p.local
         failed: set[str] = set()
-        prof = self.coder.profile_for(self.model_id) if p.found > p.local else None
+        late = None  # why the chunks from i on come as TEXT: the time for peers ran out
         while i < p.found:
+            left = self.peers_until - time.monotonic()
+            if left <= 0:
+                late = f"not received within the deadline ({self.deadline_ms} ms) + {grace_s(self.deadline_ms) / 2:g} s"
+                self.result.errors.append(f"chunks {i}..{p.found - 1} {late}: recompute them")
+                self.result.deadline_missed = True
+                break
             peer, end = self.peers.directory.best(p.keys, i, exclude=failed)
             conn = self.peers.connection(peer) if peer else None
             if conn is None:
@@ -170,24 +199,14 @@ class FetchJob:
                 continue
             t = time.perf_counter()
             stream = conn.fetch(p.keys[i:end], max(self._remaining_ms(), 1), self.levels + [TEXT],
-                                decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps)
+                                decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps,
+                                stall_s=self.stall_s, limit_s=left)
             nbytes, base = 0, i
             try:
                 async for msg in stream:
                     j = base + msg.i
                     if hasattr(msg, "payload"):
                         nbytes += len(msg.payload)
-                        try:  # the chunk asked for? Checked before any of it is decoded or sized
-                            admit(msg.payload, msg.level, Wanted.of(p.keys, p.bounds, j, prof, self.levels), msg.key)
-                        except Refused as e:
-                            failed.add(peer)  # not trusted for the rest of this fetch
-                            why = f"peer {peer} sent chunk {j} that is not the chunk asked: {e}"
-                            log.warning("%s; it and the rest come from another peer or as text", why)
-                            self.result.errors.append(why)
-                            self.metrics.error(f"chunk_refused_{e.reason}")
-                            with contextlib.suppress(aio.TransportError):
-                                await stream.cancel()
-                            break
                         self.metrics.chunks.labels(msg.level, "received").inc()
                         item = _Item(j, "kv", msg.level, peer, msg.payload, time.monotonic(), nbytes=len(msg.payload))
                     else:
@@ -200,6 +219,18 @@ class FetchJob:
                     i = j + 1
                 if stream.end is not None and stream.end.deadline_missed:
                     self.result.deadline_missed = True
+                if stream.end is not None:
+                    self.peers.directory.served(peer)
+            except aio.FetchStalled as e:
+                failed.add(peer)
+                cooldown = self.peers.directory.stalled(peer, COOLDOWN_STALLS * self.stall_s, COOLDOWN_MAX_S)
+                why = f"peer {peer} stalled at chunk {i}: {e.msg}; it is avoided for {cooldown:g} s"
+                log.warning("%s; the rest comes from another peer or as text", why)
+                self.result.errors.append(why)
+                self.metrics.error("peer_stalled")
+            except aio.FetchTimedOut:
+                failed.add(peer)  # still sending, only too slowly for this fetch: not marked; the loop ends it
+                log.info("peer %s: chunk %d not in by the deadline + grace; the rest comes as text", peer, i)
             except aio.FetchFailed as e:
                 if e.code == NOT_FOUND:
                     # The holder lost chunk i (evicted or damaged) after it advertised it: it sent the
@@ -220,11 +251,12 @@ class FetchJob:
                 self.result.errors.append(why)
                 self.metrics.error("peer_fetch_failed")
             finally:
+                await stream.cancel()  # a no-op once it ended; else (this fetch was cancelled) the peer stops too
                 busy += time.perf_counter() - t
                 self.result.bytes += nbytes
                 self.metrics.peer_bytes.labels(peer, "in").inc(nbytes)
         for j in range(i, p.found):
-            await out.put(_Item(j, "text", TEXT, "fallback"))
+            await out.put(_Item(j, "text", TEXT, "fallback", error=late))
         self.result.stage_s["receive"] = busy
         await out.put(None)
 
