@@ -192,9 +192,19 @@ class PeerManager:
             keys = self.store.keys()
             for i in range(0, len(keys), ADVERTISE_BATCH):
                 await conn.send(Advertise(keys[i:i + ADVERTISE_BATCH]))
+            over_cap = False
             async for msg in conn:
                 if isinstance(msg, Advertise):
-                    self.directory.add(peer, msg.keys)
+                    refused = self.directory.add(peer, msg.keys)
+                    if refused:
+                        # what one peer makes this node hold is bounded; past it, its keys are
+                        # not kept (it is then not asked for those chunks), said once per connection
+                        self.metrics.errors.labels("peer_keys_over_cap").inc(refused)
+                        if not over_cap:
+                            log.warning("peer %s: advertises more than [peer] max_keys_per_peer = %d keys; "
+                                        "%d refused, and its keys past the cap are refused from now on",
+                                        peer, self.directory.max_keys_per_peer, refused)
+                            over_cap = True
                 elif isinstance(msg, Withdraw):
                     self.directory.remove(peer, msg.keys)
         except aio.TransportError:
@@ -243,6 +253,7 @@ class PeerManager:
             await served.fail(NOT_FOUND, missing)
             return None
         recs = recs[:held]
+        served.chunk_keys = [r.key for r in recs]  # each CHUNK says which chunk it is, from the record
         coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs)]
         sizes = {lv: [len(r.levels[lv]) for r in recs] for lv in coded}
         sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]

@@ -13,6 +13,7 @@ or as TEXT, and the directory leaves it out of lookups for a cooldown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from transport.messages import NOT_FOUND
 from transport.policy import TEXT
 
 from . import events
+from .admission import Refused, Wanted, admit
 from .coder import Coder
 from .directory import Directory
 from .metrics import Metrics
@@ -181,6 +183,7 @@ class FetchJob:
         i = p.local
         failed: set[str] = set()
         late = None  # why the chunks from i on come as TEXT: the time for peers ran out
+        prof = self.coder.profile_for(self.model_id) if p.found > p.local else None
         while i < p.found:
             left = self.peers_until - time.monotonic()
             if left <= 0:
@@ -207,6 +210,17 @@ class FetchJob:
                     j = base + msg.i
                     if hasattr(msg, "payload"):
                         nbytes += len(msg.payload)
+                        try:  # the chunk asked for? Checked before any of it is decoded or sized
+                            admit(msg.payload, msg.level, Wanted.of(p.keys, p.bounds, j, prof, self.levels), msg.key)
+                        except Refused as e:
+                            failed.add(peer)  # not trusted for the rest of this fetch
+                            why = f"peer {peer} sent chunk {j} that is not the chunk asked: {e}"
+                            log.warning("%s; it and the rest come from another peer or as text", why)
+                            self.result.errors.append(why)
+                            self.metrics.error(f"chunk_refused_{e.reason}")
+                            with contextlib.suppress(aio.TransportError):
+                                await stream.cancel()
+                            break
                         self.metrics.chunks.labels(msg.level, "received").inc()
                         item = _Item(j, "kv", msg.level, peer, msg.payload, time.monotonic(), nbytes=len(msg.payload))
                     else:
