@@ -1,14 +1,21 @@
 """The local API: aiohttp on a Unix socket (mode from [api] socket_mode, 0660 by default).
 
-    GET    /healthz                  liveness: {"status": "ok", "node_id"}
+    GET    /healthz                  liveness: {"status": "ok", "node_id"}; "degraded" (still
+                                     serving) adds "degraded": [{"reason", "message"}] while a
+                                     fault lasts (codec_workers, disk_full, disk_error)
     GET    /metrics                  Prometheus text format
-    GET    /v1/status                node, uptime, store usage, peers, fetches in flight
+    GET    /v1/status                node, uptime, health, codec workers, store usage, peers,
+                                     fetches in flight
     GET    /v1/contexts              contexts held (one per stored chain)
     DELETE /v1/contexts/{key}        delete a context by its last chunk key (hex)
     GET    /v1/peers                 configured and connected peers
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer
     POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype}; KV is read
-                                     from the shared-memory segment `buffer` the client made
+                                     from the shared-memory segment `buffer` the client made ->
+                                     {keys, stored_chunks, already_held, placement, seconds}:
+                                     placement per chunk "disk", "memory" (lost on a restart) or
+                                     null. 507 disk_full/disk_error/store_full when a chunk could
+                                     not be written or was refused: error.put is that reply
     POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?, device?,
                                      recompute_tokens_per_s?} -> NDJSON events:
                                      start (the buffer to attach), chunk (one per chunk as it
@@ -57,8 +64,9 @@ class Node(Protocol):
 NODE = web.AppKey("node", Node)
 
 
-def error_response(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+def error_response(status: int, code: str, message: str, detail: dict | None = None) -> web.Response:
+    """detail: more fields of the error object (a put's 507 carries what it stored where)."""
+    return web.json_response({"error": {"code": code, "message": message, **(detail or {})}}, status=status)
 
 
 @web.middleware
@@ -70,7 +78,7 @@ async def _errors(request: web.Request, handler):
     except RequestError as e:
         log.info("%s %s -> %d %s: %s", request.method, request.path, e.status, e.code, e.message)
         node.record_error(f"api_{e.code}")
-        return error_response(e.status, e.code, e.message)
+        return error_response(e.status, e.code, e.message, e.detail)
     except web.HTTPException as e:
         if e.status >= 400:
             return error_response(e.status, "http", e.reason)

@@ -32,9 +32,10 @@ DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float
 class ClientError(Exception):
     """The daemon answered with an error (`code`, `message`) or could not be reached."""
 
-    def __init__(self, code: str, message: str, status: int | None = None):
+    def __init__(self, code: str, message: str, status: int | None = None, detail: dict | None = None):
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.status = code, message, status
+        self.detail = detail or {}  # the error object's other fields (a put's 507: {"put": its reply})
 
 
 def default_socket() -> Path:
@@ -48,7 +49,8 @@ ChunkEvent = events.Chunk  # what iterating a fetch yields
 def _raise_for(status: int, body: bytes) -> None:
     try:
         err = json.loads(body)["error"]
-        raise ClientError(err["code"], err["message"], status)
+        raise ClientError(err["code"], err["message"], status,
+                          {k: v for k, v in err.items() if k not in ("code", "message")})
     except (ValueError, KeyError, TypeError):
         raise ClientError("http", f"HTTP {status}: {body[:200]!r}", status) from None
 

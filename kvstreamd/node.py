@@ -14,6 +14,7 @@ from typing import AsyncIterator
 import torch
 
 from codec.errors import CodecError
+from codec.parallel import WorkerLost
 from codec.profile import Profile
 
 from . import __version__, events
@@ -28,7 +29,7 @@ from .pipeline import FetchJob, plan
 from .shm import Attached, ShmError
 from .chunkfile import ChunkRecord
 from .keys import chunk_keys
-from .store import Store, StoreError
+from .store import NO_ROOM, Store, StoreError
 
 log = logging.getLogger("kvstreamd.node")
 
@@ -37,11 +38,43 @@ EVENT_QUEUE = 2  # events between a fetch and its client: a slow reader slows th
 
 class RequestError(Exception):
     """A request the node cannot serve as asked; the API answers it with `status` and
-    {"error": {"code", "message"}}."""
+    {"error": {"code", "message", **detail}}."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, status: int, code: str, message: str, detail: dict | None = None):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.detail = detail or {}
+
+
+@dataclass
+class _PutOutcome:
+    stored: int = 0  # chunks the store took
+    held: int = 0  # chunks it held already
+    disk_error: OSError | None = None  # a chunk of this put could not be written to disk
+    refused: tuple[int, StoreError] | None = None  # the chunk the store refused (the put stopped there)
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _where(placement: list[str | None]) -> str:
+    """Where a put's chunks are, in words: "chunks 0-2 are on disk; chunk 3 is held in memory only"."""
+    n, parts = len(placement), []
+    for where, words in (("disk", "on disk"), ("memory", "held in memory only and lost on a restart"),
+                         (None, "not held")):
+        idx = [i for i, w in enumerate(placement) if w == where]
+        if idx:
+            parts.append(f"chunk{'s' if len(idx) > 1 else ''} {_ranges(idx)} of {n} "
+                         f"{'are' if len(idx) > 1 else 'is'} {words}")
+    return "; ".join(parts)
 
 
 @dataclass
@@ -98,25 +131,41 @@ class Node:
             raise RequestError(400, "bad_buffer", str(e)) from None
         t0 = time.perf_counter()
         try:
-            stored, held = await self._put(model_id, tokens, att.tensor, prof)
-        except StoreError as e:
-            raise RequestError(507, "store_full", str(e)) from None
+            out = await self._put(model_id, tokens, att.tensor, prof)
+        except WorkerLost as e:
+            raise RequestError(503, "codec_unavailable", f"encoding failed: {e}") from None
         finally:
-            att.release()
-        return {"keys": [k.hex() for k in chunk_keys(model_id, tokens, self.cfg.codec.chunk_tokens)],
-                "stored_chunks": stored, "already_held": held, "seconds": round(time.perf_counter() - t0, 4)}
+            att.__exit__(None, None, None)  # unmapped now, or once views in an error's traceback go: never raises over it
+        keys = chunk_keys(model_id, tokens, self.cfg.codec.chunk_tokens)
+        # Where each chunk is as the put ends (a later chunk may have evicted an earlier one), so
+        # that nothing it answers "stored" is lost unsaid: "memory" chunks go with a restart.
+        placement = self.store.placement(keys)
+        reply = {"keys": [k.hex() for k in keys], "stored_chunks": out.stored, "already_held": out.held,
+                 "placement": placement, "seconds": round(time.perf_counter() - t0, 4)}
+        if out.refused is not None:
+            i, e = out.refused
+            code = "store_full" if e.os_error is None else "disk_full" if e.os_error.errno in NO_ROOM else "disk_error"
+            raise RequestError(507, code, f"chunk {i} of {len(keys)} is refused, and the chunks after it: {e}. "
+                                          f"{_where(placement)}", {"put": reply})
+        if out.disk_error is not None:
+            full = out.disk_error.errno in NO_ROOM
+            raise RequestError(507, "disk_full" if full else "disk_error",
+                               f"the store's disk {'is full' if full else 'fails'} ({out.disk_error}): "
+                               f"{_where(placement)}", {"put": reply})
+        return reply
 
-    async def _put(self, model_id: str, tokens: list[int], kv: torch.Tensor, prof: Profile) -> tuple[int, int]:
+    async def _put(self, model_id: str, tokens: list[int], kv: torch.Tensor, prof: Profile) -> _PutOutcome:
         """Chunk, encode every level (in the codec pool), store, advertise. Chunks already held
-        are skipped before any encoding. Returns (chunks stored, chunks already held)."""
+        are skipped before any encoding. A chunk the store refuses ends the put (the chunks after
+        it could not be found without it)."""
         ct = self.cfg.codec.chunk_tokens
         keys = chunk_keys(model_id, tokens, ct)
         dtype = str(kv.dtype).removeprefix("torch.")
-        stored = held = 0
+        out = _PutOutcome()
         t0 = time.perf_counter()
         for i, key in enumerate(keys):
             if self.store.has(key):
-                held += 1
+                out.held += 1
                 self.metrics.puts.labels("already_held").inc()
                 continue
             s, e = i * ct, min((i + 1) * ct, len(tokens))
@@ -128,15 +177,22 @@ class Node:
             rec = ChunkRecord(key, keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]), dtype,
                               tuple(chunk.shape), payloads, time.time())
             del chunk
-            if await asyncio.to_thread(self.store.put, rec):
-                stored += 1
-                self.metrics.puts.labels("stored").inc()
+            try:
+                put = await asyncio.to_thread(self.store.put_to, rec)
+            except StoreError as e:
+                out.refused = (i, e)
+                self.metrics.puts.labels("refused").inc()
+                break
+            if put is not None:
+                out.stored += 1
+                out.disk_error = out.disk_error or put.disk_error
+                self.metrics.puts.labels("stored" if put.on_disk else "memory_only").inc()
             else:
-                held += 1
+                out.held += 1
         self.metrics.encode_seconds.observe(time.perf_counter() - t0)
-        log.info("put %s: %d tokens, %d chunks stored, %d already held, %.2f s", model_id, len(tokens), stored,
-                 held, time.perf_counter() - t0)
-        return stored, held
+        log.info("put %s: %d tokens, %d chunks stored, %d already held%s, %.2f s", model_id, len(tokens), out.stored,
+                 out.held, f", chunk {out.refused[0]} refused" if out.refused else "", time.perf_counter() - t0)
+        return out
 
     # -- fetch -------------------------------------------------------------------------------
 
@@ -318,8 +374,27 @@ class Node:
     def peer_info(self) -> list[dict]:
         return self.peers.info()
 
+    def degraded(self) -> list[dict]:
+        """What the node cannot do in full now, one {"reason", "message"} per fault (reasons:
+        metrics.DEGRADED); each clears by itself when its fault goes away."""
+        out = []
+        why = self.coder.pool.fault()
+        if why is not None:
+            out.append({"reason": "codec_workers", "message": f"{why}; new workers are being started"})
+        disk = self.store.disk_fault()
+        if disk is not None:
+            out.append({"reason": disk.reason, "message": disk.message})
+        return out
+
     def health(self) -> dict:
-        return {"status": "stopping" if self.stopping else "ok", "node_id": self.node_id}
+        """{"status": "ok" | "degraded" | "stopping", "node_id"}, and "degraded" (the faults) when
+        degraded. Still alive and serving when degraded."""
+        if self.stopping:
+            return {"status": "stopping", "node_id": self.node_id}
+        faults = self.degraded()
+        if faults:
+            return {"status": "degraded", "node_id": self.node_id, "degraded": faults}
+        return {"status": "ok", "node_id": self.node_id}
 
     def record_error(self, kind: str) -> None:
         self.metrics.error(kind)
@@ -335,17 +410,24 @@ class Node:
         m.store_evictions.set(u.evictions)
         m.buffers_held.set(len(self.buffers))
         m.buffer_bytes.set(sum(h.buffer.nbytes for h in self.buffers.values()))
+        m.set_degraded({f["reason"] for f in self.degraded()})
+        m.set_codec_restarts(self.coder.pool.restarts)
         return m.render()
 
     def status(self) -> dict:
         u = self.store.usage()
         cfg = self.cfg
+        faults = self.degraded()
         return {"node_id": self.node_id, "version": __version__, "pid": os.getpid(),
                 "uptime_s": round(time.time() - self.started, 1), "config": str(cfg.source) if cfg.source else None,
                 "api_socket": str(cfg.api.socket), "peer_port": self.peers.port,
                 "peers_connected": self.peers.connected(), "fetches_active": len(self._active),
                 "buffers_held": len(self.buffers), "decode_mbps": round(self.coder.decode_mbps, 1),
                 "levels": list(cfg.codec.levels), "chunk_tokens": cfg.codec.chunk_tokens,
+                "health": {"status": "stopping" if self.stopping else "degraded" if faults else "ok",
+                           "degraded": faults},
+                "codec": {"workers": self.coder.pool.workers, "restarts": self.coder.pool.restarts,
+                          "last_loss": self.coder.pool.last_loss},
                 "store": {k: getattr(u, k) for k in ("chunks", "memory_bytes", "memory_budget", "disk_bytes",
                                                       "disk_budget", "memory_chunks", "disk_chunks", "pinned",
                                                       "evictions", "disk_errors")}}
