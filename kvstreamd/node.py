@@ -167,6 +167,9 @@ class Node:
             if self.store.has(key):
                 out.held += 1
                 self.metrics.puts.labels("already_held").inc()
+                if self.store.placement([key]) == ["memory"]:  # its write failed before: again, now
+                    again = await asyncio.to_thread(self.store.persist, key)
+                    out.disk_error = out.disk_error or (again.disk_error if again is not None else None)
                 continue
             s, e = i * ct, min((i + 1) * ct, len(tokens))
             chunk = kv[:, :, s:e].contiguous()

@@ -260,6 +260,41 @@ class Store:
         self._run_callbacks()
         return Stored(written, error)
 
+    def persist(self, key: bytes) -> Stored | None:
+        """Write a chunk held in memory only (its write failed, say on a full disk) to disk now,
+        so that a put of it again, once there is room, makes it survive a restart. None when
+        there is nothing to write: not held, already on disk or being put, or it does not fit
+        the disk tier."""
+        with self._lock:
+            rec = self._mem.get(key)
+            if (rec is None or key in self._disk or key in self._inflight or self._closed or self._files is None
+                    or not 0 < rec.nbytes <= self._disk.budget):
+                return None
+            self._inflight.add(key)
+        try:
+            try:
+                self._files.write(rec)
+            except OSError as e:
+                with self._lock:
+                    self._disk_errors += 1
+                    self._write_fault = (e, rec.nbytes + 4 * len(rec.tokens))
+                log.warning("chunk %s: disk write failed again (%s); still in memory only", key.hex(), e)
+                return Stored(False, e)
+            with self._lock:
+                self._write_fault = None
+                if key in self._meta and key not in self._disk:
+                    self._disk.add(key, rec.nbytes)
+                    removed = self._evict(self._disk, protect=key)
+                    self._queue(self._on_remove, removed)
+                else:  # deleted or evicted meanwhile: the file must not outlive it
+                    self._unlink(key)
+        finally:
+            with self._lock:
+                self._inflight.discard(key)
+                self._idle.notify_all()
+        self._run_callbacks()
+        return Stored(True, None)
+
     def delete(self, key: bytes) -> bool:
         """Drop a chunk from both tiers. Deferred to the last unpin when pinned (it stays held and
         readable until then). False when not held."""

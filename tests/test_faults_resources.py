@@ -254,3 +254,22 @@ async def test_a_full_disk_is_degraded_health_until_room_is_made(inprocess, smal
         assert 'kvstreamd_degraded{reason="disk_full"} 0.0' in await ca.metrics()
         other, kv2 = context(CHUNK, seed=5, first=50_000)
         assert (await ca.put(MODEL, other, kv2))["placement"] == ["disk"]
+
+
+async def test_a_put_again_once_room_is_made_writes_the_chunks_held_in_memory_only(inprocess, small_disk):
+    (a,) = await inprocess(["a"], store={"dir": str(small_disk / "store"), "memory_budget": "1MiB"})
+    tokens, kv = context(3 * CHUNK, seed=6)
+    async with client(a) as ca:
+        filler = fill(small_disk)
+        with pytest.raises(ClientError) as err:
+            await ca.put(MODEL, tokens, kv)
+        assert err.value.detail["put"]["placement"] == ["memory"] * 3
+        filler.unlink()
+        again = await ca.put(MODEL, tokens, kv)
+    assert (again["already_held"], again["placement"]) == (3, ["disk"] * 3)
+    b = await restarted(a)
+    try:
+        async with client(b) as cb:
+            assert (await cb.lookup(MODEL, tokens))["local_tokens"] == 3 * CHUNK
+    finally:
+        await b.stop()

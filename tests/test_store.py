@@ -627,6 +627,26 @@ def test_a_full_disk_is_a_fault_until_it_has_room_again(small_fs):
     assert s.put_to(make_context(n_chunks=1, payload=100 * KIB, seed=9)[0]).on_disk
 
 
+def test_persist_writes_a_chunk_held_in_memory_only_once_there_is_room(small_fs):
+    ev = Events()
+    s, _ = open_store(small_fs, mem=8 * 2**20, disk=8 * 2**20, events=ev)
+    filler = small_fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(bytes(64 * KIB))
+    rec = make_context(n_chunks=1, payload=100 * KIB)[0]
+    assert not s.put_to(rec).on_disk
+    assert s.persist(rec.key).disk_error.errno == errno.ENOSPC  # still full
+    filler.unlink()
+    assert s.persist(rec.key).on_disk and s.placement([rec.key]) == ["disk"]
+    assert s.persist(rec.key) is None  # nothing left to write
+    check_consistent(s, small_fs, ev)
+    s.close()
+    s2, report = open_store(small_fs)
+    assert same_record(s2.get(rec.key), rec)
+
+
 # -- threads ------------------------------------------------------------------------------------
 
 def test_concurrent_put_get_pin_keep_a_consistent_index(tmp_path):
