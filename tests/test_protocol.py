@@ -209,6 +209,32 @@ def test_after_the_handshake_the_configured_limit_applies():
     assert [type(e) for e in events(s)] == [MessageReceived]
 
 
+def test_a_frame_packed_with_tiny_elements_is_refused_before_they_are_all_built():
+    # msgpack builds a Python object per element: 1 MiB of empty arrays is ~75 MiB of lists
+    import tracemalloc
+
+    c, s = ready_pair()
+    n = 1 << 20
+    body = b"\x82" + msgpack.packb("t") + msgpack.packb("ADVERTISE") + msgpack.packb("keys") \
+        + b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+    tracemalloc.start()
+    try:
+        s.receive_data(len(body).to_bytes(4, "big") + body, NOW)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "not valid msgpack" in closed_with(s, BAD_FRAME).msg
+    assert peak < 8 * 2**20, f"decoding the frame took {peak / 2**20:.0f} MiB"
+
+
+def test_an_array_of_up_to_max_array_items_is_read_and_a_longer_one_is_a_bad_frame():
+    c, s = ready_pair()
+    s.receive_data(frame(**to_wire(Advertise([K] * frames.MAX_ARRAY_ITEMS))), NOW)
+    assert [type(e) for e in events(s)] == [MessageReceived]
+    s.receive_data(frame(**to_wire(Advertise([K] * (frames.MAX_ARRAY_ITEMS + 1)))), NOW)
+    assert "max_array_len" in closed_with(s, BAD_FRAME).msg
+
+
 @pytest.mark.parametrize("garbage, what", [
     (b"\x00\x00\x00\x05hello", "not valid msgpack"),
     (b"\x00\x00\x00\x02\x93\x01", "not valid msgpack"),  # an array cut short

@@ -11,6 +11,13 @@ from .messages import BAD_FRAME, FRAME_TOO_LARGE, ProtocolError
 DEFAULT_MAX_FRAME_BYTES = 128 * 2**20  # a raw fp16 4096-token chunk of a small model fits
 LENGTH_BYTES = 4
 _INLINE_BIN = 64 * 1024  # binary values at least this big are referenced, not copied
+# msgpack builds a Python object per element, 8-60 bytes for a 1-byte one (4 MiB of empty arrays
+# took 300 MiB), so what one frame may hold is bounded, not only its length: every message's
+# arrays are flat and short (keys, tokens, levels), and only HELLO's caps nest.
+MAX_ARRAY_ITEMS = 1 << 16  # the longest array: FETCH/ADVERTISE keys, TEXT tokens
+MAX_MAP_ITEMS = 64
+MAX_CONTAINERS = 16  # arrays and maps in a frame over SMALL_FRAME_BYTES (the handshake's own cap)
+SMALL_FRAME_BYTES = 64 * 1024
 
 
 def _bin_header(n: int) -> bytes:
@@ -54,6 +61,20 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} is not allowed")
 
 
+class _Containers:
+    """Counts the arrays and maps msgpack has built so far, and stops it past `limit`: inner
+    ones are built first, so a frame of many small containers is refused after a few."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def __call__(self, obj: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError(f"more than {MAX_CONTAINERS} arrays and maps in one frame")
+        return obj
+
+
 class FrameDecoder:
     """Buffers byte slices and hands out whole frames as (map, wire size) pairs.
     After an error it is dead: every later call raises the same ProtocolError."""
@@ -90,9 +111,11 @@ class FrameDecoder:
         if len(buf) < end:
             return None
         with memoryview(buf) as view, view[LENGTH_BYTES:end] as body:
+            hook = _Containers(MAX_CONTAINERS) if n > SMALL_FRAME_BYTES else None
             try:
                 obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True,
-                                      ext_hook=_reject_ext, timestamp=0)
+                                      ext_hook=_reject_ext, timestamp=0, max_array_len=MAX_ARRAY_ITEMS,
+                                      max_map_len=MAX_MAP_ITEMS, list_hook=hook, object_hook=hook)
             except Exception as e:  # msgpack raises many types for bad input; all mean the same
                 return self._fail(BAD_FRAME, f"{n}-byte frame is not valid msgpack: {e}")
         # bytearray drops a prefix in O(1), so consuming frames one by one stays linear
