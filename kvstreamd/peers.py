@@ -228,7 +228,14 @@ class PeerManager:
         # Pinned so eviction cannot take a chunk mid-served; pinning reads disk-tier chunks, off the loop.
         recs = await asyncio.to_thread(self.store.pin, fetch.keys)
         try:
-            done = await self._send(served, fetch, recs, peer, loop)
+            # a fetcher gone silent (no ACK, not reading) holds these pins no longer than this
+            async with asyncio.timeout_at(served.give_up_at):
+                done = await self._send(served, fetch, recs, peer, loop)
+        except TimeoutError:
+            log.warning("peer %s: req %d not served by its deadline + grace (the fetcher sends no ACK); "
+                        "given up", peer, served.req)
+            self.metrics.error("served_fetch_timed_out")
+            return  # the connection ends the request (ERROR internal: fewer chunks than asked)
         finally:
             self.store.unpin([r.key for r in recs if r is not None])
         if done is None:

@@ -39,18 +39,13 @@ from .store import Store
 log = logging.getLogger("kvstreamd.pipeline")
 
 QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
-GRACE_MIN_S = 1.0  # a fetch ends within deadline + max(GRACE_MIN_S, GRACE_SHARE * deadline)
-GRACE_SHARE = 0.10
 STALL_S = 2.0  # [fetch] stall_s: seconds of silence after which a peer has stalled a fetch
 # A peer that stalled is left out of lookups for COOLDOWN_STALLS * stall_s, doubled for each
 # stall in a row (a fetch it completes resets that), at most COOLDOWN_MAX_S.
 COOLDOWN_STALLS = 5
 COOLDOWN_MAX_S = 300.0
 
-
-def grace_s(deadline_ms: float) -> float:
-    """How long past its deadline a fetch may take at most, whatever its peers do."""
-    return max(GRACE_MIN_S, GRACE_SHARE * deadline_ms / 1000)
+grace_s = aio.grace_s  # a fetch ends within its deadline + max(1 s, 10% of it), whatever its peers do
 
 
 @dataclass

@@ -15,8 +15,10 @@ from kvstreamd.client import AsyncClient
 from kvstreamd.directory import Directory
 from kvstreamd.lab.daemons import DaemonProcess
 from kvstreamd.pipeline import grace_s
-from test_node_fetch import (MODEL, ScriptedPeer, client, connected, context, encoded, events_of, keys_of,
-                             sees, serve_chunks, until)
+from test_node_fetch import (MODEL, SECRET, ScriptedPeer, client, connected, context, encoded, events_of,
+                             keys_of, sees, serve_chunks, until)
+from transport.messages import Fetch
+from transport.protocol import Connection, State
 
 DEADLINE_MS = 2000
 BOUND_S = DEADLINE_MS / 1000 + grace_s(DEADLINE_MS)  # 3 s: the most a fetch may take, whatever its peers do
@@ -137,6 +139,33 @@ async def test_a_holder_daemon_sigstopped_mid_stream_costs_at_most_the_deadline_
         if stopped:
             os.kill(holder.proc.pid, signal.SIGCONT)
         await asyncio.to_thread(holder.stop)
+
+
+async def test_a_fetcher_that_stops_reading_holds_the_senders_pins_no_longer_than_its_deadline_plus_grace(inprocess):
+    """The other side of a silent peer: a fetcher (a bare socket past the handshake) that sends
+    a FETCH and then reads nothing, so no ACK ever comes, as from a SIGSTOPped node."""
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    async with client(a) as ca:
+        keys = [bytes.fromhex(k) for k in (await ca.put(MODEL, tokens, kv))["keys"]]
+        reader, writer = await asyncio.open_connection("127.0.0.1", (await ca.status())["peer_port"])
+        try:
+            conn = Connection("client", "stopped", SECRET)
+            writer.write(conn.data_to_send())
+            while conn.state is not State.READY:
+                conn.receive_data(await reader.read(65536), 0.0)
+                writer.write(conn.data_to_send())
+            t0 = time.monotonic()
+            conn.send(Fetch(conn.next_request_id(), keys, 500, ["balanced", "text"]), 0.0)
+            writer.write(conn.data_to_send())  # and nothing is read from here on
+            await until("the FETCH was never served", lambda: _pinned(ca, 3))
+            await until("the sender still pins the chunks", lambda: _pinned(ca, 0), timeout=HANG_S)
+            took = time.monotonic() - t0
+            print(f"served FETCH of a fetcher that stopped reading: unpinned after {took:.3f} s (deadline 0.5 s)")
+            assert took <= 0.5 + grace_s(500) + 0.5
+            assert (await ca.health())["status"] == "ok"
+        finally:
+            writer.close()
 
 
 # -- local work never queues behind a peer -------------------------------------------------------

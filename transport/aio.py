@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable, Coroutine
 from . import frames
 from .calls import (ConnectionClosedError, FetchCall, FetchCancelled, FetchError, FetchFailed,
                     FetchInterrupted, FetchStalled, FetchTimedOut, HandshakeError, ServedFetch,
-                    TransportError)
+                    TransportError, grace_s)
 from .events import (AckReceived, CancelReceived, ChunkReceived, ConnectionClosed, EndReceived,
                      ErrorReceived, FetchReceived, HandshakeComplete, MessageReceived)
 from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, NORMAL, NOT_FOUND, Cancel, Chunk, End,
@@ -26,7 +26,7 @@ __all__ = ["PeerConnection", "Server", "serve", "connect", "run", "loop_factory"
            "OnConnect", "FetchCall", "ServedFetch", "TransportError", "HandshakeError",
            "ConnectionClosedError", "FetchError", "FetchFailed", "FetchCancelled",
            "FetchInterrupted", "FetchStalled", "FetchTimedOut", "DEFAULT_HANDSHAKE_TIMEOUT",
-           "DEFAULT_MAX_BUFFERED_BYTES"]
+           "DEFAULT_MAX_BUFFERED_BYTES", "grace_s"]
 
 log = logging.getLogger("kvstreamd.transport")
 
