@@ -26,7 +26,7 @@ from .events import FetchRequest
 from .metrics import Metrics
 from .peers import PeerManager
 from .pipeline import FetchJob, plan
-from .shm import Attached, ShmError
+from .shm import Reader as SegmentReader, ShmError
 from .chunkfile import ChunkRecord
 from .keys import chunk_keys
 from .store import NO_ROOM, Store, StoreError
@@ -125,17 +125,19 @@ class Node:
         if tuple(shape) != want:
             raise RequestError(400, "bad_shape", f"KV shape {list(shape)} is not [L, 2, T, H, D] = {list(want)} "
                                                  f"for {model_id} and {len(tokens)} tokens")
-        try:
-            att = Attached.open(buffer, tuple(shape), dtype)
+        try:  # read by copy, never mapped: the client may truncate it under us (shm trap 4)
+            seg = SegmentReader.open(buffer, tuple(shape), dtype)
         except ShmError as e:
             raise RequestError(400, "bad_buffer", str(e)) from None
         t0 = time.perf_counter()
         try:
-            out = await self._put(model_id, tokens, att.tensor, prof)
+            out = await self._put(model_id, tokens, seg, prof)
         except WorkerLost as e:
             raise RequestError(503, "codec_unavailable", f"encoding failed: {e}") from None
+        except ShmError as e:  # the client shrank the segment mid-put; the chunks read before it are kept
+            raise RequestError(400, "bad_buffer", str(e)) from None
         finally:
-            att.__exit__(None, None, None)  # unmapped now, or once views in an error's traceback go: never raises over it
+            seg.close()
         keys = chunk_keys(model_id, tokens, self.cfg.codec.chunk_tokens)
         # Where each chunk is as the put ends (a later chunk may have evicted an earlier one), so
         # that nothing it answers "stored" is lost unsaid: "memory" chunks go with a restart.
@@ -154,7 +156,7 @@ class Node:
                                f"{_where(placement)}", {"put": reply})
         return reply
 
-    async def _put(self, model_id: str, tokens: list[int], kv: torch.Tensor, prof: Profile) -> _PutOutcome:
+    async def _put(self, model_id: str, tokens: list[int], kv: SegmentReader, prof: Profile) -> _PutOutcome:
         """Chunk, encode every level (in the codec pool), store, advertise. Chunks already held
         are skipped before any encoding. A chunk the store refuses ends the put (the chunks after
         it could not be found without it)."""
@@ -172,7 +174,7 @@ class Node:
                     out.disk_error = out.disk_error or (again.disk_error if again is not None else None)
                 continue
             s, e = i * ct, min((i + 1) * ct, len(tokens))
-            chunk = kv[:, :, s:e].contiguous()
+            chunk = await asyncio.to_thread(kv.read, s, e, 2)  # kv[:, :, s:e], copied
             payloads = {}
             for level in self.cfg.codec.levels:
                 payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)

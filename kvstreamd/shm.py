@@ -6,8 +6,9 @@ Two sides:
 * :class:`Segment` creates a segment (the daemon for fetch buffers, the client for put) and hands
   out tensor views of it.
 * :class:`Attached` maps a segment someone else created, as one tensor.
+* :class:`Reader` copies parts of a segment someone else created, without mapping it (trap 4).
 
-Three traps this module exists to avoid (all measured on CPython 3.11 / torch 2.13, see
+Four traps this module exists to avoid (all measured on CPython 3.11 / torch 2.13, see
 ``tests/test_shm.py``):
 
 1. ``multiprocessing.shared_memory.SharedMemory(name)`` registers the segment with the attaching
@@ -33,6 +34,12 @@ Three traps this module exists to avoid (all measured on CPython 3.11 / torch 2.
    turning that into a clean :class:`ShmError` at creation. It costs ~0.2 ms/MiB up front but the
    first write over the pages gets correspondingly cheaper.
 
+4. A mapping of a segment another process owns faults when that process shrinks it: reading a
+   page past the new end kills the reader with SIGBUS, and no Python code can catch it. The
+   daemon reads a client's put segment with :class:`Reader`, which copies from the segment's file
+   descriptor (``preadv``) and never maps it: a read of a truncated file only comes up short, and
+   that is a :class:`ShmError`.
+
 Segments are Linux/POSIX only and are created mode 0600: the model process must run as the same
 user as the creator.
 """
@@ -51,7 +58,7 @@ import _posixshmem  # CPython's shm_open/shm_unlink (what multiprocessing.shared
 import numpy as np
 import torch
 
-__all__ = ["PREFIX", "DTYPES", "ShmError", "Segment", "Attached", "sweep_stale"]
+__all__ = ["PREFIX", "DTYPES", "ShmError", "Segment", "Attached", "Reader", "sweep_stale"]
 
 PREFIX = "kvstreamd"
 DTYPES: dict[str, torch.dtype] = {
@@ -139,9 +146,10 @@ def _check_name(name, prefix: str) -> None:
     if not isinstance(name, str):
         raise ShmError(f"segment name must be a str, got {type(name).__name__}")
     if (not name.startswith(prefix + "-") or len(name) == len(prefix) + 1 or "/" in name
-            or "\0" in name or len(name.encode()) > _NAME_MAX):
+            or "\0" in name or len(name.encode("utf-8", "surrogatepass")) > _NAME_MAX):
+        shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
         raise ShmError(
-            f"bad shared-memory segment name {name!r}: expected {prefix}-<...>, "
+            f"bad shared-memory segment name {shown}: expected {prefix}-<...>, "
             f"no '/', at most {_NAME_MAX} bytes"
         )
 
@@ -374,6 +382,109 @@ class Attached:
     def __repr__(self) -> str:
         state = "released" if self._mm is None else "attached"
         return f"<Attached {self.name} {tuple(self.shape)} {self.dtype} {state}>"
+
+
+# ------------------------------------------------------------------------------------- Reader
+
+
+class Reader:
+    """A segment created by another process that may change it while we read (a client's put),
+    read as a tensor of ``shape`` x ``dtype`` by copying parts of it into this process's memory
+    with ``preadv`` from the segment's descriptor. It is never mapped, so the owner truncating
+    it cannot fault this process (trap 4): the read comes up short and raises ShmError.
+
+    As a context manager: close() on exit.
+    """
+
+    name: str
+    size: int  # bytes the segment had when opened
+
+    def __init__(self, name: str, fd: int, size: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.name = name
+        self.size = size
+        self.shape = shape
+        self.dtype = dtype
+        self._fd: int | None = fd
+
+    @classmethod
+    def open(cls, name: str, shape, dtype, *, prefix: str = PREFIX) -> "Reader":
+        dt = _dtype(dtype)
+        shp = _shape(shape)
+        need = _nbytes(shp, dt)
+        _check_name(name, prefix)
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0)
+        except FileNotFoundError:
+            raise ShmError(f"no shared-memory segment named {name!r}") from None
+        except OSError as e:
+            raise ShmError(f"cannot open shared-memory segment {name!r}: {e}") from e
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:  # pragma: no cover - fstat of a descriptor just opened
+            os.close(fd)
+            raise ShmError(f"cannot stat shared-memory segment {name!r}: {e}") from e
+        if size < need:
+            os.close(fd)
+            raise ShmError(f"shared-memory segment {name!r} has {size} bytes, shape {shp} {dt} needs {need}")
+        return cls(name, fd, size, shp, dt)
+
+    def read(self, start: int, stop: int, axis: int = 0) -> torch.Tensor:
+        """A contiguous copy of ``tensor[..., start:stop, ...]`` (the slice on ``axis``) in this
+        process's memory. ShmError if the segment no longer holds it (its owner shrank it)."""
+        if self._fd is None:
+            raise ShmError(f"segment {self.name} is closed")
+        if not 0 <= axis < len(self.shape):
+            raise ShmError(f"axis {axis} is not one of the {len(self.shape)} of shape {self.shape}")
+        if not 0 <= start <= stop <= self.shape[axis]:
+            raise ShmError(f"[{start}:{stop}] is not within 0..{self.shape[axis]} on axis {axis} of {self.shape}")
+        out_shape = self.shape[:axis] + (stop - start,) + self.shape[axis + 1:]
+        arr = np.empty(out_shape, dtype=_NUMPY[self.dtype])
+        inner = math.prod(self.shape[axis + 1:]) * _itemsize(self.dtype)  # bytes per index on axis
+        run, row = (stop - start) * inner, self.shape[axis] * inner  # bytes to copy, bytes to skip
+        outer = math.prod(self.shape[:axis])
+        if run == row:  # the slice is one contiguous range of the segment
+            run, outer = run * outer, 1
+        out = memoryview(arr.reshape(-1).view(np.uint8))
+        for o in range(outer):
+            self._read_into(out[o * run:(o + 1) * run], o * row + start * inner)
+        t = torch.from_numpy(arr)
+        return t.view(torch.bfloat16) if self.dtype is torch.bfloat16 else t
+
+    def _read_into(self, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buf):
+            try:
+                n = os.preadv(self._fd, [buf[done:]], offset + done)
+            except OSError as e:
+                raise ShmError(f"cannot read shared-memory segment {self.name!r}: {e}") from e
+            if n == 0:
+                try:
+                    now = os.fstat(self._fd).st_size
+                except OSError:  # pragma: no cover
+                    now = "?"
+                raise ShmError(f"shared-memory segment {self.name!r} shrank to {now} bytes while being read "
+                               f"(it had {self.size}; shape {list(self.shape)} {self.dtype} needs "
+                               f"{_nbytes(self.shape, self.dtype)}): its owner truncated it")
+            done += n
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def close(self) -> None:
+        """Close the descriptor. Idempotent; never raises (nothing of the segment is mapped)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Reader {self.name} {tuple(self.shape)} {self.dtype} {'closed' if self._fd is None else 'open'}>"
 
 
 # -------------------------------------------------------------------------------- sweep_stale

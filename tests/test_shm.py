@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstreamd.shm import DTYPES, PREFIX, Attached, Segment, ShmError, sweep_stale
+from kvstreamd.shm import DTYPES, PREFIX, Attached, Reader, Segment, ShmError, sweep_stale
 
 REPO = Path(__file__).resolve().parents[1]
 SHM_DIR = Path("/dev/shm")
@@ -556,3 +556,87 @@ def test_sweep_stale_default_prefix_and_shm_dir(tmp_path):
     for name, kept in names.items():
         assert (tmp_path / name).exists() == kept, name
     assert sweep_stale(shm_dir=str(tmp_path / "missing")) == []
+
+
+# -- Reader: a segment its owner may shrink, read by copy (trap 4) ---------------------------------
+
+TRUNCATE_THEN_READ = """
+import os, sys
+from kvstreamd import shm
+with shm.Segment.create(64 * 4096, prefix=sys.argv[1], track=False) as seg:
+    print(seg.name, flush=True)  # the test removes it if this process dies
+    seg.tensor((64 * 1024,), "float32").fill_(1.0)
+    reader = getattr(shm, sys.argv[2]).open(seg.name, (64 * 1024,), "float32", prefix=sys.argv[1])
+    os.ftruncate(os.open(f"/dev/shm/{seg.name}", os.O_RDWR), 4096)  # the owner shrinks it
+    try:
+        if sys.argv[2] == "Attached":
+            print(float(reader.tensor[-1]))  # a page past the new end
+        else:
+            reader.read(0, 64 * 1024)
+    except shm.ShmError as e:
+        print("ShmError:", e)
+    print("OK")
+"""
+
+
+def test_premise_a_mapping_of_a_segment_its_owner_truncates_faults_the_reader():
+    """Trap 4 itself: reading a mapped page past the end the owner cut kills the reader with
+    SIGBUS, which no Python code can catch. (Why the daemon reads a put's segment with Reader.)"""
+    proc = run_py(TRUNCATE_THEN_READ, TP, "Attached")
+    (SHM_DIR / proc.stdout.split()[0]).unlink(missing_ok=True)
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_a_reader_of_a_segment_its_owner_truncates_raises_shm_error_instead_of_faulting():
+    proc = run_py(TRUNCATE_THEN_READ, TP, "Reader")
+    _ok(proc)
+    assert "ShmError:" in proc.stdout and "shrank to 4096 bytes" in proc.stdout and "truncated" in proc.stdout
+
+
+@pytest.mark.parametrize("dtname", sorted(DTYPES))
+def test_a_reader_copies_exactly_the_slice_asked_for_on_any_axis(dtname):
+    dt = DTYPES[dtname]
+    shape = (3, 2, 50, 2, 8)
+    with Segment.create(2 * 3 * 2 * 50 * 2 * 8 * 4) as seg:
+        want = bits(dt, 3 * 2 * 50 * 2 * 8, 9).view(shape)
+        view = seg.tensor(shape, dtname)
+        view.view(INT[dt]).copy_(want.view(INT[dt]))
+        del view
+        with Reader.open(seg.name, shape, dtname) as r:
+            for axis, start, stop in ((2, 0, 16), (2, 16, 50), (2, 49, 50), (0, 1, 3), (4, 0, 8), (2, 7, 7)):
+                index = (slice(None),) * axis + (slice(start, stop),)
+                got = r.read(start, stop, axis)
+                assert got.dtype == dt and got.is_contiguous() and got.shape == want[index].shape
+                assert torch.equal(got.view(INT[dt]), want[index].contiguous().view(INT[dt])), (axis, start, stop)
+        assert r.closed
+
+
+def test_a_reader_maps_nothing_and_holds_no_view_of_the_segment():
+    with Segment.create(4096) as seg:
+        seg.close()  # only the Reader has it open from here
+        with Reader.open(seg.name, (1024,), "float32") as r:
+            kept = r.read(0, 1024)
+            assert not _mapped(seg.name)
+        kept.add_(1)  # daemon-owned memory: outlives the reader, and the segment
+
+
+def test_a_reader_refuses_a_segment_smaller_than_its_shape_a_slice_out_of_range_and_use_after_close():
+    with Segment.create(100) as seg:
+        with pytest.raises(ShmError, match="needs 104"):
+            Reader.open(seg.name, (26,), "float32")
+        r = Reader.open(seg.name, (5, 5), "float32")
+        for start, stop, axis in ((0, 6, 0), (3, 2, 0), (-1, 2, 1), (0, 1, 2)):
+            with pytest.raises(ShmError):
+                r.read(start, stop, axis)
+        r.close()
+        r.close()  # idempotent
+        with pytest.raises(ShmError, match="closed"):
+            r.read(0, 1)
+    with pytest.raises(ShmError, match="no shared-memory segment named"):
+        Reader.open(f"{PREFIX}-{os.getpid()}-{secrets.token_hex(6)}", (4,), "float32")
+
+
+def test_a_bad_segment_name_a_megabyte_long_is_not_echoed_whole():
+    with pytest.raises(ShmError) as err:
+        Reader.open(f"{PREFIX}-" + "x" * 2**20, (4,), "float32")
+    assert len(str(err.value)) < 300 and "1048586 characters" in str(err.value)
