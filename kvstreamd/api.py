@@ -22,7 +22,9 @@
                                      lands: kv or text), end (totals and per-stage timings)
     DELETE /v1/buffers/{name}        the client is done with a fetch's buffer
 
-Errors are JSON {"error": {"code", "message"}} with a 4xx/5xx status."""
+Errors are JSON {"error": {"code", "message"}} with a 4xx/5xx status. Every field is checked here,
+against the bounds below, before the node sees it; a message names the field and never echoes
+more than a few dozen characters of what the client sent."""
 from __future__ import annotations
 
 import asyncio
@@ -43,6 +45,14 @@ from .shm import DTYPES
 log = logging.getLogger("kvstreamd.api")
 
 MAX_BODY = 64 * 2**20  # token lists of 100K+ tokens as JSON stay far below this
+# Bounds on request fields, checked at the door so that nothing out of range reaches the node.
+MAX_TOKENS = 2**20          # tokens in one request (a context a model can hold, and more)
+MAX_DEADLINE_MS = 3_600_000  # an hour
+MAX_RECOMPUTE_TPS = 10**9   # tokens a second a model prefills
+MAX_NAME = 512              # characters of a model id
+MAX_DIMS = 8                # dimensions of a put's KV shape
+MAX_DIM = 2**31             # one dimension of it
+MAX_MESSAGE = 1000          # characters of an error message (longer ones are cut)
 
 
 class Node(Protocol):
@@ -76,9 +86,10 @@ async def _errors(request: web.Request, handler):
     try:
         resp = await handler(request)
     except RequestError as e:
-        log.info("%s %s -> %d %s: %s", request.method, request.path, e.status, e.code, e.message)
+        message = _cut(e.message)
+        log.info("%s %s -> %d %s: %s", request.method, _cut(request.path, 200), e.status, e.code, message)
         node.record_error(f"api_{e.code}")
-        return error_response(e.status, e.code, e.message, e.detail)
+        return error_response(e.status, e.code, message, e.detail)
     except web.HTTPException as e:
         if e.status >= 400:
             return error_response(e.status, "http", e.reason)
@@ -86,9 +97,10 @@ async def _errors(request: web.Request, handler):
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:  # never let one request take the daemon down
-        log.exception("%s %s failed", request.method, request.path)
+        log.error("%s %s failed: %s", request.method, _cut(request.path, 200), _cut(f"{type(e).__name__}: {e}"),
+                  exc_info=True)
         node.record_error("api_internal")
-        return error_response(500, "internal", f"{type(e).__name__}: {e}")
+        return error_response(500, "internal", _cut(f"{type(e).__name__}: {e}"))
     if isinstance(resp, web.StreamResponse):
         resp.headers.setdefault("X-Request-Id", rid)
     return resp
@@ -100,11 +112,29 @@ def _bad(message: str) -> RequestError:
     return RequestError(400, "bad_request", message)
 
 
+def _cut(text: str, limit: int = MAX_MESSAGE) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 40]}... ({len(text)} characters)"
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A client's value as messages and the log show it: repr, cut to `limit` characters."""
+    if isinstance(value, (str, list, dict)) and len(value) > limit:  # no repr of a megabyte
+        value = value[:limit] if isinstance(value, (str, list)) else dict(list(value.items())[:4])
+        return f"{_cut(repr(value), limit)}..."
+    return _cut(repr(value), limit)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 async def _body(request: web.Request) -> dict:
     try:
-        body = await request.json()
+        body = json.loads(await request.read(), parse_constant=_no_constant)  # no NaN, Infinity
+    except RecursionError:
+        raise RequestError(400, "bad_json", "request body is not JSON this daemon reads: nested too deep") from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-        raise RequestError(400, "bad_json", f"request body is not JSON: {e}") from None
+        raise RequestError(400, "bad_json", f"request body is not JSON: {_cut(str(e), 200)}") from None
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     return body
@@ -121,19 +151,45 @@ def _field(body: dict, name: str, kind: type | tuple, default: Any = ..., ) -> A
     return v
 
 
+def _number(body: dict, name: str, kind: type | tuple, lo: float, hi: float) -> Any:
+    """An optional number field within lo..hi (and finite)."""
+    v = _field(body, name, kind, None)
+    if v is not None and not lo <= v <= hi:  # NaN fails too
+        raise _bad(f"field {name!r} must be {lo:d}..{hi:d}, got {_shown(v)}")
+    return v
+
+
+def _model_id(body: dict) -> str:
+    model_id = _field(body, "model_id", str)
+    if not 0 < len(model_id) <= MAX_NAME:
+        raise _bad(f"field 'model_id' is {len(model_id)} characters; a model id is 1..{MAX_NAME}")
+    return model_id
+
+
 def _tokens(body: dict) -> list[int]:
     toks = _field(body, "tokens", list)
     if not toks:
         raise _bad("field 'tokens' must not be empty")
+    if len(toks) > MAX_TOKENS:
+        raise _bad(f"field 'tokens' has {len(toks)} tokens; at most {MAX_TOKENS} a request")
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in toks):
         raise _bad("field 'tokens' must be a list of token ids (0 <= id < 2**32)")
     return toks
 
 
+def _shape(body: dict) -> tuple[int, ...]:
+    shape = _field(body, "shape", list)
+    if not (len(shape) <= MAX_DIMS
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape)):
+        raise _bad(f"field 'shape' must be a list of at most {MAX_DIMS} sizes (0..{MAX_DIM}), "
+                   f"got {_shown(shape)}")
+    return tuple(shape)
+
+
 def _dtype(body: dict) -> str:
     dtype = _field(body, "dtype", str, "float16")
     if dtype not in DTYPES:
-        raise _bad(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise _bad(f"dtype must be one of {sorted(DTYPES)}, got {_shown(dtype)}")
     return dtype
 
 
@@ -144,23 +200,20 @@ def _levels(body: dict) -> list[str] | None:
     if levels is None:
         return None
     known = catalog.names()
-    bad = [lv for lv in levels if not isinstance(lv, str) or lv not in known]
-    if not levels or bad:
-        raise _bad(f"levels must be a non-empty list of {known}; got {levels!r}")
+    if not levels or len(levels) > len(known) or not all(isinstance(lv, str) and lv in known for lv in levels):
+        raise _bad(f"levels must be a non-empty list of {known}; got {_shown(levels)}")
+    if len(set(levels)) < len(levels):
+        raise _bad(f"levels names a level twice: {_shown(levels)}")
     return levels
 
 
 def fetch_request(body: dict) -> FetchRequest:
-    deadline_ms = _field(body, "deadline_ms", int, None)
-    if deadline_ms is not None and deadline_ms <= 0:
-        raise _bad("deadline_ms must be > 0")
-    recompute_tps = _field(body, "recompute_tokens_per_s", (int, float), None)
-    if recompute_tps is not None and not recompute_tps > 0:
-        raise _bad("recompute_tokens_per_s must be > 0")
+    deadline_ms = _number(body, "deadline_ms", int, 1, MAX_DEADLINE_MS)
+    recompute_tps = _number(body, "recompute_tokens_per_s", (int, float), 1, MAX_RECOMPUTE_TPS)
     device = _field(body, "device", str, "cpu")
     if device not in ("cpu", "cuda"):
-        raise _bad(f'device must be "cpu" or "cuda", not {device!r}')
-    return FetchRequest(_field(body, "model_id", str), _tokens(body), _dtype(body), deadline_ms, _levels(body),
+        raise _bad(f'device must be "cpu" or "cuda", not {_shown(device)}')
+    return FetchRequest(_model_id(body), _tokens(body), _dtype(body), deadline_ms, _levels(body),
                         recompute_tps, device)
 
 
@@ -197,13 +250,13 @@ async def peers(request: web.Request) -> web.Response:
 
 async def lookup(request: web.Request) -> web.Response:
     body = await _body(request)
-    return web.json_response(request.app[NODE].lookup(_field(body, "model_id", str), _tokens(body)))
+    return web.json_response(request.app[NODE].lookup(_model_id(body), _tokens(body)))
 
 
 async def put(request: web.Request) -> web.Response:
     body = await _body(request)
-    model_id, tokens, dtype = _field(body, "model_id", str), _tokens(body), _dtype(body)
-    name, shape = _field(body, "buffer", str), tuple(_field(body, "shape", list))
+    model_id, tokens, dtype = _model_id(body), _tokens(body), _dtype(body)
+    name, shape = _field(body, "buffer", str), _shape(body)
     return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype))
 
 
@@ -234,7 +287,7 @@ async def fetch(request: web.Request) -> web.StreamResponse:
 async def release_buffer(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if not request.app[NODE].release_buffer(name):
-        raise RequestError(404, "not_found", f"no buffer named {name!r} is held for a client")
+        raise RequestError(404, "not_found", f"no buffer named {_shown(name, 300)} is held for a client")
     return web.json_response({"released": name})
 
 

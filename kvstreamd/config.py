@@ -151,6 +151,25 @@ def _string(value, where, ctx) -> str:
     return value
 
 
+MIN_SECRET_BYTES = 16
+MAKE_SECRET = "head -c 32 /dev/urandom | base64"
+
+
+def check_secret(secret: bytes, where: str) -> bytes:
+    """A cluster secret long enough to resist guessing (the HMAC handshake is only as strong)."""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{where}: the secret is {len(secret)} bytes; a cluster secret is at least "
+                          f"{MIN_SECRET_BYTES} (make one with: {MAKE_SECRET})")
+    return secret
+
+
+def _secret(value, where, ctx) -> str:
+    value = _string(value, where, ctx)
+    if value:  # "" means none is set
+        check_secret(value.encode("utf-8", "surrogatepass"), where)
+    return value
+
+
 def _node_id(value, where, ctx) -> str:
     value = _string(value, where, ctx)
     n = len(value.encode("utf-8", "surrogatepass"))
@@ -377,7 +396,7 @@ class ApiConfig:
 class PeerConfig:
     listen: tuple[str, int] = _key(("127.0.0.1", 9400), parse=_hostport)
     peers: tuple[tuple[str, int], ...] = _key((), parse=_peers, reload=True)
-    secret: str = _key("", parse=_string, reload=True, repr=False)  # never in logs
+    secret: str = _key("", parse=_secret, reload=True, repr=False)  # never in logs
     secret_file: Path | None = _key(None, parse=_path, reload=True)
     max_frame_bytes: int = _key(128 * MiB, parse=_size(64 * KiB, 4 * GiB))
     handshake_timeout_s: float = _key(5.0, parse=_float(gt=0))
@@ -404,7 +423,7 @@ class CodecConfig:
 
 @dataclass(frozen=True)
 class FetchConfig:
-    deadline_ms: int = _key(2000, parse=_int(1), reload=True)
+    deadline_ms: int = _key(2000, parse=_int(1, 3_600_000), reload=True)  # at most an hour, as the API
     recompute_tokens_per_s: float = _key(250.0, parse=_float(gt=0), reload=True)
     stall_s: float = _key(2.0, parse=_float(gt=0), reload=True)
 
@@ -441,6 +460,7 @@ class Config:
             raise ConfigError(f"{where}: cannot read {str(path)!r}: {e.strerror or e}") from None
         if not data:
             raise ConfigError(f"{where}: {str(path)!r} is empty")
+        check_secret(data, f"{where} {str(path)!r}")
         if mode & 0o004:
             log.warning("%s: %s is world-readable; chmod o-r it", where, path)
         return data

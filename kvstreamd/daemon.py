@@ -75,6 +75,7 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
+        secret = cfg.secret()  # first: a secret file that cannot be read stops start-up before anything runs
         gpu, gpu_why = resolve_device(cfg.codec.device)
         swept = sweep_stale() + sweep_stale(CODEC_SEG_PREFIX)  # fetch buffers; the codec pool's segments
         if swept:
@@ -93,7 +94,6 @@ class Daemon:
             self.metrics.error("store_corrupt")
         self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, cfg.codec.levels)
         log.info("fetched chunks decode on %s", f"{gpu} (CUDA streams, IPC hand-off)" if gpu else f"the CPU ({gpu_why})")
-        secret = cfg.secret()
         if secret is None:
             log.warning("no [peer] secret configured: using a random one, so no peer can join this node")
             secret = secrets.token_bytes(32)
@@ -114,7 +114,11 @@ class Daemon:
 
     async def _start_api(self) -> None:
         path = Path(self.cfg.api.socket)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where a directory must be, a read-only file system, ...
+            raise ConfigError(f"{self.cfg.source or '(built-in defaults)'}: [api] socket {path}: cannot make "
+                              f"its directory {path.parent}: {e.strerror or e}") from None
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise StartupError(f"[api] socket {path}: exists and is not a socket")
@@ -221,21 +225,22 @@ async def _main(cfg: Config) -> int:
     daemon = Daemon(cfg)
     try:
         await daemon.start()
-    except StartupError as e:
+    except (StartupError, ConfigError) as e:
         log.error("cannot start: %s", e)
         await daemon.stop()
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     await daemon.serve_forever()
     return 0
 
 
 def run(config_path: str | None) -> int:
-    """`kvstreamd run`: 0 after a clean SIGTERM, 1 if it cannot start, 2 for a bad config."""
+    """`kvstreamd run`: 0 after a clean SIGTERM, 1 if it cannot start, 2 for a bad config (one
+    that does not load, or names a secret file or socket directory that cannot be had)."""
     setup_logging("info")
     try:
         cfg = config_mod.load(config_path)
     except ConfigError as e:
-        log.error("bad configuration: %s", e)
+        log.error("cannot start: bad configuration: %s", e)
         return 2
     setup_logging(cfg.node.log_level)
     torch.set_num_threads(1)  # the event loop's process only copies; the pool's workers decode

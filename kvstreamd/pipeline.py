@@ -168,8 +168,10 @@ class FetchJob:
             rec = await asyncio.to_thread(self.store.get, p.keys[i])
             busy += time.perf_counter() - t
             level = next((lv for lv in self.levels if rec is not None and lv in rec.levels), None)
-            if rec is None or level is None:  # evicted since the plan: recompute it
-                await out.put(_Item(i, "text", TEXT, "fallback", error="evicted locally"))
+            if rec is None or level is None:  # evicted, or found damaged, since the plan: recompute it
+                why = self.store.dropped(p.keys[i]) if rec is None else None
+                await out.put(_Item(i, "text", TEXT, "fallback",
+                                    error=f"corrupt locally: {why}" if why else "evicted locally"))
                 continue
             self.metrics.chunks.labels(level, "local").inc()
             item = _Item(i, "kv", level, "local", rec.levels[level], time.monotonic(), nbytes=len(rec.levels[level]))

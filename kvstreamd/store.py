@@ -42,6 +42,8 @@ from .tier import Tier
 
 log = logging.getLogger("kvstreamd.store")
 
+DROPPED_KEPT = 1024  # chunks whose reason for being dropped unreadable `dropped()` still knows
+
 Callback = Callable[[list[bytes]], None]
 
 
@@ -147,6 +149,7 @@ class Store:
         self._evictions = 0
         self._disk_errors = 0
         self._write_fault: tuple[OSError, int] | None = None  # the last write's error, the bytes it needed
+        self._dropped: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # key -> why, newest last
         self._opened = False
         self._closed = False
 
@@ -379,6 +382,9 @@ class Store:
             if error is not None:
                 rec = None
                 self._disk_errors += 1
+                self._dropped[key] = error
+                if len(self._dropped) > DROPPED_KEPT:
+                    self._dropped.popitem(last=False)
                 if key in self._disk:
                     if missing:
                         log.warning("chunk %s: %s; dropped", key.hex(), error)
@@ -397,6 +403,12 @@ class Store:
         if rec is not None:
             self._files.touch(key)
         return rec
+
+    def dropped(self, key: bytes) -> str | None:
+        """Why a get lately found chunk `key`'s file unreadable and dropped it (damaged, missing),
+        so that a caller can tell that from an eviction; None if it did not."""
+        with self._lock:
+            return self._dropped.get(key)
 
     def has(self, key: bytes) -> bool:
         with self._lock:
@@ -537,6 +549,7 @@ class Store:
 
     def _add_meta(self, key: bytes, meta: _Meta) -> None:
         self._meta[key] = meta
+        self._dropped.pop(key, None)  # held again: a later miss is not that damage
         if meta.parent is not None:
             self._children.setdefault(meta.parent, set()).add(key)
 

@@ -83,7 +83,7 @@ def test_default_path_and_env_var(env, tmp_path, monkeypatch):
 
 
 def test_a_full_file(env, tmp_path):
-    (tmp_path / "secret").write_text("  s3cret\n\n")
+    (tmp_path / "secret").write_text("  s3cret-s3cret-s3cret\n\n")
     path = write(tmp_path, """
 [node]
 id = "gpu-7"
@@ -128,23 +128,23 @@ recompute_tokens_per_s = 12000
                                            Path("/opt/p.kvprofile"), 3)
     assert cfg.fetch == config.FetchConfig(500, 12000.0)
     assert isinstance(cfg.fetch.recompute_tokens_per_s, float)
-    assert cfg.secret() == b"s3cret"
+    assert cfg.secret() == b"s3cret-s3cret-s3cret"
     assert cfg.workers() == 3
-    assert "s3cret" not in repr(load(write(tmp_path, '[peer]\nsecret = "s3cret"\n', "s.toml"), env))
+    assert "s3cret" not in repr(load(write(tmp_path, '[peer]\nsecret = "s3cret-s3cret-s3cret"\n', "s.toml"), env))
 
 
 def test_secret_inline(env, tmp_path):
-    cfg = load(write(tmp_path, '[peer]\nsecret = "häsh"\npeers = ["a:1"]\n'), env)
-    assert cfg.secret() == "häsh".encode()
+    cfg = load(write(tmp_path, '[peer]\nsecret = "häsh-häsh-häsh-häsh"\npeers = ["a:1"]\n'), env)
+    assert cfg.secret() == "häsh-häsh-häsh-häsh".encode()
 
 
 def test_secret_file_is_read_on_each_call(env, tmp_path):
     secret = tmp_path / "secret"
-    secret.write_bytes(b"one\n")
+    secret.write_bytes(b"one-one-one-one-one\n")
     cfg = load(write(tmp_path, f'[peer]\nsecret_file = "{secret}"\n'), env)
-    assert cfg.secret() == b"one"
-    secret.write_bytes(b"\ttwo  \r\n")
-    assert cfg.secret() == b"two"
+    assert cfg.secret() == b"one-one-one-one-one"
+    secret.write_bytes(b"\ttwo-two-two-two-two  \r\n")
+    assert cfg.secret() == b"two-two-two-two-two"
     secret.write_bytes(b" \n")
     with pytest.raises(ConfigError, match=r"kvstreamd.toml: \[peer\] secret_file: .* is empty"):
         cfg.secret()
@@ -182,12 +182,12 @@ ERRORS = [
     ('[peer]\nlisten = "::1:9400"\n', "[peer] listen", "brackets"),
     ('[peer]\nlisten = "[zz::1]:9400"\n', "[peer] listen", "not an IPv6 address"),
     ('[peer]\nlisten = ":9400"\n', "[peer] listen", "no host"),
-    ('[peer]\nsecret = "s"\npeers = ["a:1", "b"]\n', "[peer] peers[1]", '"b" is not host:port'),
-    ('[peer]\nsecret = "s"\npeers = ["a:0"]\n', "[peer] peers[0]", "a peer needs a port"),
-    ('[peer]\nsecret = "s"\npeers = ["a:1", "a:1"]\n', "[peer] peers[1]", "listed twice"),
+    ('[peer]\nsecret = "sixteen-byte-secret"\npeers = ["a:1", "b"]\n', "[peer] peers[1]", '"b" is not host:port'),
+    ('[peer]\nsecret = "sixteen-byte-secret"\npeers = ["a:0"]\n', "[peer] peers[0]", "a peer needs a port"),
+    ('[peer]\nsecret = "sixteen-byte-secret"\npeers = ["a:1", "a:1"]\n', "[peer] peers[1]", "listed twice"),
     ('[peer]\npeers = ["10.0.0.7:9400"]\n', "[peer] secret",
      "peers are configured but no secret: set [peer] secret or [peer] secret_file"),
-    ('[peer]\nsecret = "s"\nsecret_file = "/etc/x"\n', "[peer] secret", "not both"),
+    ('[peer]\nsecret = "sixteen-byte-secret"\nsecret_file = "/etc/x"\n', "[peer] secret", "not both"),
     ("[peer]\nretry_min_s = 5\nretry_max_s = 1\n", "[peer] retry_max_s", "less than [peer] retry_min_s"),
     ("[peer]\nhandshake_timeout_s = 0\n", "[peer] handshake_timeout_s", ": 0 must be > 0"),
     ("[peer]\nhandshake_timeout_s = nan\n", "[peer] handshake_timeout_s", "not a finite number"),
@@ -200,7 +200,7 @@ ERRORS = [
     ("[api]\nsocket_mode = 0o1777\n", "[api] socket_mode", "not a permission mode"),
     ('[api]\nsocket_mode = "rw"\n', "[api] socket_mode", "expected a file mode"),
     ('[api]\nsocket = "/' + "s" * 120 + '"\n', "[api] socket", "at most 107"),
-    ("[fetch]\ndeadline_ms = 0\n", "[fetch] deadline_ms", "out of range (>= 1)"),
+    ("[fetch]\ndeadline_ms = 0\n", "[fetch] deadline_ms", "out of range (1..3600000)"),
     ("[fetch]\nrecompute_tokens_per_s = 0\n", "[fetch] recompute_tokens_per_s", "must be > 0"),
     ("[codec\nchunk_tokens = 1\n", "invalid TOML", "line 1"),
     ("[codec]\nchunk_tokens = 1024\nchunk_tokens = 2048\n", "invalid TOML", ""),
@@ -232,6 +232,30 @@ def test_unreadable_and_not_utf8(env, tmp_path):
     path.write_bytes(b'[node]\nid = "\xff"\n')
     with pytest.raises(ConfigError, match=f"^{path}: "):
         load(path, env)
+
+
+def test_a_secret_under_16_bytes_is_refused_saying_how_to_make_one(env, tmp_path):
+    for short in ("s", "fifteen-bytes!!"):
+        with pytest.raises(ConfigError) as err:
+            load(write(tmp_path, f'[peer]\nsecret = "{short}"\n'), env)
+        msg = str(err.value)
+        assert "[peer] secret" in msg and f"{len(short)} bytes" in msg and "/dev/urandom" in msg, msg
+    load(write(tmp_path, '[peer]\nsecret = "sixteen-bytes!!!"\n'), env)  # 16 is enough
+
+
+def test_a_secret_file_holding_under_16_bytes_is_refused_saying_how_to_make_one(env, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x\n")
+    cfg = load(write(tmp_path, f'[peer]\nsecret_file = "{secret}"\n'), env)
+    with pytest.raises(ConfigError) as err:
+        cfg.secret()
+    msg = str(err.value)
+    assert "[peer] secret_file" in msg and "1 bytes" in msg and "/dev/urandom" in msg, msg
+
+
+def test_a_deadline_over_an_hour_is_out_of_range(env, tmp_path):
+    with pytest.raises(ConfigError, match=r"\[fetch\] deadline_ms: 3600001 is out of range"):
+        load(write(tmp_path, "[fetch]\ndeadline_ms = 3600001\n"), env)
 
 
 def test_secret_file_missing_at_secret_time(env, tmp_path):
@@ -351,7 +375,7 @@ buffer_lease_s = 10
 socket_mode = 0o600
 [peer]
 peers = ["a:1"]
-secret = "s"
+secret = "sixteen-byte-secret"
 retry_min_s = 1
 retry_max_s = 2
 listen = "127.0.0.1:9500"
