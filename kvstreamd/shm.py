@@ -8,6 +8,9 @@ Two sides:
 * :class:`Attached` maps a segment someone else created, as one tensor.
 * :class:`Reader` copies parts of a segment someone else created, without mapping it (trap 4).
 
+The file is long (~530 lines) because each of the four traps below is a way the daemon or the
+model process dies, and the code that avoids each sits next to the explanation of why.
+
 Four traps this module exists to avoid (all measured on CPython 3.11 / torch 2.13, see
 ``tests/test_shm.py``):
 

@@ -22,6 +22,11 @@ that is on disk touches its file's mtime (best effort) so the order roughly surv
 Threading: one lock guards the index and both tiers; file writes and reads happen outside it (a
 chunk being read from disk is pinned meanwhile). Callbacks run outside the lock, one at a time, in
 the order the changes happened.
+
+The file is long (~600 lines) because `Store` is what that one lock guards: the index, both
+tiers, pins and deferred deletes, where each chunk is (placement) and the disk's fault state all
+change together under it; the key contract, the file format, the files on disk and the LRU tier
+are already apart (keys.py, chunkfile.py, chunkdir.py, tier.py).
 """
 from __future__ import annotations
 

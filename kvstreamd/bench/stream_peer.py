@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from codec import catalog
+from kvstreamd.keys import chunk_keys
 from kvstreamd.lab import netns
 from transport import aio
 from transport.bandwidth import BandwidthEstimator
@@ -105,7 +106,8 @@ async def fetch(args) -> None:
     with CodecPool() as pool:
         loop = asyncio.get_running_loop()
         peer = await aio.connect(args.addr, args.port, "bench-receiver", bytes.fromhex(args.secret))
-        keys = [f"chunk{c['i']}".encode() for c in manifest["chunks"]]
+        keys = chunk_keys(manifest["model"], [t for c in manifest["chunks"] for t in c["tokens"]],
+                          manifest["chunk_tokens"])  # the keys a daemon would ask for
         t0 = loop.time()
         # Tell the sender how fast this host decodes entropy-coded chunks (its pool, measured
         # when the data was prepared), so it can weigh decode time against link time.
