@@ -301,6 +301,27 @@ class Segment:
 # ----------------------------------------------------------------------------------- Attached
 
 
+def _open_sized(name: str, prefix: str, flags: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    """Open someone else's segment: (its descriptor, its size now), ShmError if it cannot hold
+    `shape` of `dtype`. The caller closes the descriptor."""
+    need = _nbytes(shape, dtype)
+    _check_name(name, prefix)
+    try:
+        fd = _posixshmem.shm_open("/" + name, flags, mode=0)
+    except FileNotFoundError:
+        raise ShmError(f"no shared-memory segment named {name!r}") from None
+    except OSError as e:
+        raise ShmError(f"cannot open shared-memory segment {name!r}: {e}") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size < max(need, 1):
+            raise ShmError(f"shared-memory segment {name!r} has {size} bytes, shape {shape} {dtype} needs {need}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
 class Attached:
     """A segment created by another process, mapped read-write as one tensor of the given shape
     and dtype (the segment may be larger). Attaching does not register the segment with this
@@ -324,23 +345,9 @@ class Attached:
 
     @classmethod
     def open(cls, name: str, shape, dtype, *, prefix: str = PREFIX) -> "Attached":
-        dt = _dtype(dtype)
-        shp = _shape(shape)
-        need = _nbytes(shp, dt)
-        _check_name(name, prefix)
+        shp, dt = _shape(shape), _dtype(dtype)
+        fd, size = _open_sized(name, prefix, os.O_RDWR, shp, dt)
         try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0)
-        except FileNotFoundError:
-            raise ShmError(f"no shared-memory segment named {name!r}") from None
-        except OSError as e:
-            raise ShmError(f"cannot open shared-memory segment {name!r}: {e}") from e
-        try:
-            size = os.fstat(fd).st_size
-            if size < max(need, 1):
-                raise ShmError(
-                    f"shared-memory segment {name!r} has {size} bytes, "
-                    f"shape {shp} {dt} needs {need}"
-                )
             try:
                 mm = mmap.mmap(fd, size)
             except OSError as e:
@@ -411,24 +418,8 @@ class Reader:
 
     @classmethod
     def open(cls, name: str, shape, dtype, *, prefix: str = PREFIX) -> "Reader":
-        dt = _dtype(dtype)
-        shp = _shape(shape)
-        need = _nbytes(shp, dt)
-        _check_name(name, prefix)
-        try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0)
-        except FileNotFoundError:
-            raise ShmError(f"no shared-memory segment named {name!r}") from None
-        except OSError as e:
-            raise ShmError(f"cannot open shared-memory segment {name!r}: {e}") from e
-        try:
-            size = os.fstat(fd).st_size
-        except OSError as e:  # pragma: no cover - fstat of a descriptor just opened
-            os.close(fd)
-            raise ShmError(f"cannot stat shared-memory segment {name!r}: {e}") from e
-        if size < need:
-            os.close(fd)
-            raise ShmError(f"shared-memory segment {name!r} has {size} bytes, shape {shp} {dt} needs {need}")
+        shp, dt = _shape(shape), _dtype(dtype)
+        fd, size = _open_sized(name, prefix, os.O_RDONLY, shp, dt)
         return cls(name, fd, size, shp, dt)
 
     def read(self, start: int, stop: int, axis: int = 0) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""Shared fixtures: a small synthetic codec profile (fast, for property tests) and the real
-model, loaded once per session."""
+"""Shared fixtures: a small synthetic codec profile (fast, for property tests), the real model
+(loaded once per session), daemons in the test's event loop, and a really small disk."""
 from __future__ import annotations
+
+import subprocess
 
 import numpy as np
 import pytest
@@ -75,3 +77,22 @@ async def inprocess(tmp_path, small_profile):
     yield start
     for d in reversed(started):
         await d.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root): writes really fail with ENOSPC."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                           capture_output=True, text=True, timeout=30)
+        why = r.stderr.strip() or f"exit {r.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        r, why = None, str(e)
+    if r is None or r.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs (needs root): {why}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)

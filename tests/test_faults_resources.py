@@ -146,25 +146,6 @@ def test_a_daemon_process_replaces_a_codec_worker_killed_by_sigkill(tmp_path, sm
 
 # -- a full disk -------------------------------------------------------------------------------
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (needs root): writes really fail with ENOSPC."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                           capture_output=True, text=True, timeout=30)
-        why = r.stderr.strip() or f"exit {r.returncode}"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        r, why = None, str(e)
-    if r is None or r.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs (needs root): {why}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
-
-
 def fill(mnt: Path) -> Path:
     """Fill the file system up with one file; returns it (unlink it to make room)."""
     path = mnt / "filler"

@@ -554,28 +554,9 @@ def test_set_budgets_shrinking_evicts(tmp_path):
 
 # -- a really full disk -------------------------------------------------------------------------
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 1 MiB tmpfs (needs root): writes really fail with ENOSPC."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                           capture_output=True, text=True, timeout=30)
-        why = r.stderr.strip() or f"exit {r.returncode}"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        r, why = None, str(e)
-    if r is None or r.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs (needs root): {why}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
-
-
-def test_full_disk_keeps_chunks_in_memory_and_counts_errors(small_fs, caplog):
+def test_full_disk_keeps_chunks_in_memory_and_counts_errors(small_disk, caplog):
     ev = Events()
-    s, _ = open_store(small_fs, mem=8 * 2**20, disk=8 * 2**20, events=ev)
+    s, _ = open_store(small_disk, mem=8 * 2**20, disk=8 * 2**20, events=ev)
     recs = make_context(n_chunks=20, payload=100 * KIB)
     with caplog.at_level("WARNING", logger="kvstreamd.store"):
         for r in recs:
@@ -587,21 +568,21 @@ def test_full_disk_keeps_chunks_in_memory_and_counts_errors(small_fs, caplog):
     assert any(failed[0].key.hex() in m and "No space" in m for m in caplog.messages)
     for r in recs:
         assert same_record(s.get(r.key), r)
-    check_consistent(s, small_fs, ev)  # no temp file, no half file
+    check_consistent(s, small_disk, ev)  # no temp file, no half file
     # a chunk that only fits the disk, on a full disk: refused, nothing left behind
     s.set_budgets(50 * KIB, 8 * 2**20)
     big = make_context(n_chunks=1, payload=200 * KIB, seed=3)[0]
     with pytest.raises(StoreError, match="writing it to disk failed"):
         s.put(big)
     assert big.key not in s
-    check_consistent(s, small_fs, ev)
+    check_consistent(s, small_disk, ev)
     s.close()
-    s2, report = open_store(small_fs)
-    assert report.corrupt == [] and report.loaded == len(chunk_files(small_fs))
+    s2, report = open_store(small_disk)
+    assert report.corrupt == [] and report.loaded == len(chunk_files(small_disk))
 
 
-def test_put_to_says_a_chunk_whose_file_could_not_be_written_is_in_memory_only(small_fs):
-    s, _ = open_store(small_fs, mem=8 * 2**20, disk=8 * 2**20)
+def test_put_to_says_a_chunk_whose_file_could_not_be_written_is_in_memory_only(small_disk):
+    s, _ = open_store(small_disk, mem=8 * 2**20, disk=8 * 2**20)
     recs = make_context(n_chunks=20, payload=100 * KIB)
     where = [s.put_to(r) for r in recs]
     assert where[0].on_disk and where[0].disk_error is None
@@ -611,26 +592,26 @@ def test_put_to_says_a_chunk_whose_file_could_not_be_written_is_in_memory_only(s
     assert s.put_to(recs[0]) is None  # already held
 
 
-def test_a_full_disk_is_a_fault_until_it_has_room_again(small_fs):
-    s, _ = open_store(small_fs, mem=8 * 2**20, disk=8 * 2**20)
+def test_a_full_disk_is_a_fault_until_it_has_room_again(small_disk):
+    s, _ = open_store(small_disk, mem=8 * 2**20, disk=8 * 2**20)
     assert s.disk_fault() is None
-    filler = small_fs / "filler"
+    filler = small_disk / "filler"
     with open(filler, "wb", buffering=0) as f:
         with pytest.raises(OSError):
             while True:
                 f.write(bytes(64 * KIB))
     s.put(make_context(n_chunks=1, payload=100 * KIB)[0])
     fault = s.disk_fault()
-    assert fault.reason == "disk_full" and str(small_fs) in fault.message and "No space left" in fault.message
+    assert fault.reason == "disk_full" and str(small_disk) in fault.message and "No space left" in fault.message
     filler.unlink()
     assert s.disk_fault() is None  # room again: no write needed to see it
     assert s.put_to(make_context(n_chunks=1, payload=100 * KIB, seed=9)[0]).on_disk
 
 
-def test_persist_writes_a_chunk_held_in_memory_only_once_there_is_room(small_fs):
+def test_persist_writes_a_chunk_held_in_memory_only_once_there_is_room(small_disk):
     ev = Events()
-    s, _ = open_store(small_fs, mem=8 * 2**20, disk=8 * 2**20, events=ev)
-    filler = small_fs / "filler"
+    s, _ = open_store(small_disk, mem=8 * 2**20, disk=8 * 2**20, events=ev)
+    filler = small_disk / "filler"
     with open(filler, "wb", buffering=0) as f:
         with pytest.raises(OSError):
             while True:
@@ -641,9 +622,9 @@ def test_persist_writes_a_chunk_held_in_memory_only_once_there_is_room(small_fs)
     filler.unlink()
     assert s.persist(rec.key).on_disk and s.placement([rec.key]) == ["disk"]
     assert s.persist(rec.key) is None  # nothing left to write
-    check_consistent(s, small_fs, ev)
+    check_consistent(s, small_disk, ev)
     s.close()
-    s2, report = open_store(small_fs)
+    s2, report = open_store(small_disk)
     assert same_record(s2.get(rec.key), rec)
 
 
