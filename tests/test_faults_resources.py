@@ -9,7 +9,6 @@ import asyncio
 import errno
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 

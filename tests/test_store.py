@@ -8,7 +8,6 @@ import os
 import random
 import shutil
 import struct
-import subprocess
 import threading
 import time
 from pathlib import Path
