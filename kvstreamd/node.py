@@ -252,6 +252,7 @@ class Node:
         t0 = time.monotonic()
         cfg = self.cfg
         tokens, dtype = req.tokens, req.dtype
+        # planned again now that it has a slot: what is held may have changed while it waited
         p = plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens)
         shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
         on_gpu = req.device == "cuda" and self.gpu is not None
