@@ -46,6 +46,18 @@ def lm():
     return models.load()
 
 
+def synthetic_daemon(root, name: str, profile: profiles.Profile, codec: dict | None = None, **extra: dict):
+    """A real daemon process (kvstreamd.lab.daemons.DaemonProcess, not started) under root/name,
+    coding with `profile` (the small synthetic one), 256-token chunks and one codec worker
+    unless `codec` says otherwise; `extra` adds config sections."""
+    from kvstreamd.lab.daemons import DaemonProcess
+
+    path = root / f"{name}.kvprofile"
+    profile.save(path)
+    codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(path), **(codec or {})}
+    return DaemonProcess(name, root / name, extra={"codec": codec_cfg, **extra})
+
+
 @pytest.fixture
 async def inprocess(tmp_path, small_profile):
     """Daemons in this test's event loop (no subprocess, no root): `await inprocess(["a", "b"],

@@ -20,7 +20,7 @@ import torch
 
 import codec
 from codec import baselines
-from conftest import SMALL
+from conftest import SMALL, synthetic_daemon
 from kvstreamd.admission import Refused, Wanted, admit
 from kvstreamd.client import AsyncClient
 from kvstreamd.keys import KEY_BYTES
@@ -91,11 +91,7 @@ async def metric(c: AsyncClient, kind: str) -> float:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, small_profile):
-    root = tmp_path_factory.mktemp("bounds")
-    small_profile.save(root / "synthetic.kvprofile")
-    d = DaemonProcess("fetcher", root / "fetcher", extra={
-        "codec": {"chunk_tokens": 256, "workers": 1, "profile": str(root / "synthetic.kvprofile")},
-        "peer": {"max_keys_per_peer": CAP}})
+    d = synthetic_daemon(tmp_path_factory.mktemp("bounds"), "fetcher", small_profile, peer={"max_keys_per_peer": CAP})
     d.start()
     yield d
     d.stop()

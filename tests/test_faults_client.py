@@ -16,9 +16,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from conftest import SMALL, synthetic_kv
+from conftest import SMALL, synthetic_daemon, synthetic_kv
 from kvstreamd.client import AsyncClient, Client, ClientError
-from kvstreamd.lab.daemons import DaemonProcess, wait_for
+from kvstreamd.lab.daemons import wait_for
 from kvstreamd.shm import Segment
 
 MODEL = "synthetic-test-model"
@@ -46,10 +46,7 @@ async def error_of(d, method: str, path: str, body=None, raw: bytes | None = Non
 @pytest.fixture
 def daemon(tmp_path, small_profile):
     """One real daemon process coding with the small synthetic profile."""
-    profile_path = tmp_path / "synthetic.kvprofile"
-    small_profile.save(profile_path)
-    d = DaemonProcess("a", tmp_path / "a", extra={"codec": {"chunk_tokens": CHUNK, "workers": 1,
-                                                            "profile": str(profile_path)}})
+    d = synthetic_daemon(tmp_path, "a", small_profile, codec={"chunk_tokens": CHUNK})
     d.start()
     yield d
     d.stop()

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import codec
-from conftest import synthetic_kv
+from conftest import synthetic_daemon, synthetic_kv
 from kvstreamd import config as config_mod
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.daemon import Daemon
-from kvstreamd.lab.daemons import DaemonProcess, wait_for
+from kvstreamd.lab.daemons import wait_for
 
 MODEL = "synthetic-test-model"
 CHUNK = 256  # the inprocess fixture's chunk_tokens
@@ -119,10 +119,7 @@ async def test_a_put_racing_a_worker_kill_is_stored_or_fails_with_the_real_error
 
 
 def test_a_daemon_process_replaces_a_codec_worker_killed_by_sigkill(tmp_path, small_profile):
-    profile = tmp_path / "synthetic.kvprofile"
-    small_profile.save(profile)
-    d = DaemonProcess("solo", tmp_path / "solo", extra={"codec": {"chunk_tokens": CHUNK, "workers": 2,
-                                                                  "profile": str(profile)}})
+    d = synthetic_daemon(tmp_path, "solo", small_profile, codec={"chunk_tokens": CHUNK, "workers": 2})
     d.start()
     try:
         kids = psutil.Process(d.proc.pid).children()
