@@ -5,5 +5,7 @@ from .decoder import Decoder, decode
 from .errors import CodecError
 from .levels import LADDER, LEVELS, Level
 from .profile import Profile
+from .select import select_layers
 
-__all__ = ["encode", "decode", "Decoder", "CodecError", "Profile", "Level", "LEVELS", "LADDER"]
+__all__ = ["encode", "decode", "Decoder", "CodecError", "Profile", "Level", "LEVELS", "LADDER",
+           "select_layers"]

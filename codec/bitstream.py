@@ -3,10 +3,13 @@ independent substreams, the exact sink rows, the substreams, and a CRC32 trailer
 
     magic "KVSC" | u16 version | u16 transforms | u8 level | u8 dtype | u16 L | u16 H | u16 D
     | u32 T | u32 start | 16s profile id | u8 anchor group | u8 sink tokens | u16 substreams
-    | f32 steps[L*2] | f32 anchor step | u32 sink bytes | u32 substream bytes[n] | sink | substreams
-    | u32 crc32(everything before)
+    | [u16 profile layer[L], where LAYER_SUBSET] | f32 steps[L*2] | f32 anchor step | u32 sink bytes
+    | u32 substream bytes[n] | sink | substreams | u32 crc32(everything before)
 
-All integers little-endian. Substream s holds layer s // 2, K (s even) or V (s odd).
+All integers little-endian. Substream s holds the chunk's layer s // 2, K (s even) or V (s odd).
+A chunk holds every layer of its profile, or (LAYER_SUBSET) the profile layers it lists: what
+a fetch of a hybrid model's prefix moves for chunks outside its sliding layers' window.
+`select` cuts such a chunk out of a whole one without decoding anything.
 Transform bits say how the chunk was made: keys un-rotated, PCA, anchor/delta, exact sink
 rows, and which entropy coder wrote the substreams -- RANS: lane rANS (codec/rans.py, what the
 levels use), else constriction's ANS (codec/entropy.py; chunks stored before lane rANS, and
@@ -31,7 +34,8 @@ PCA = 2
 DELTA = 4
 SINK = 8
 RANS = 16  # entropy coder: lane rANS (codec/rans.py); without it, constriction's ANS
-KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK | RANS
+LAYER_SUBSET = 32  # the chunk holds only the profile layers it lists
+KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK | RANS | LAYER_SUBSET
 
 DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -57,10 +61,14 @@ class Header:
     anchor_step: float
     sink: memoryview  # raw rows of the sink tokens, in dtype
     substreams: list[memoryview]
+    layer_ids: tuple[int, ...] | None = None  # the profile layers held; None: all of them, in order
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.layers, 2, self.tokens, self.heads, self.head_dim)
+
+    def held_layers(self) -> tuple[int, ...]:
+        return self.layer_ids if self.layer_ids is not None else tuple(range(self.layers))
 
 
 def sink_rows(start: int, sink_tokens: int, tokens: int, transforms: int) -> int:
@@ -70,11 +78,13 @@ def sink_rows(start: int, sink_tokens: int, tokens: int, transforms: int) -> int
 
 
 def pack(h: Header) -> bytes:
-    fixed = _FIXED.pack(MAGIC, VERSION, h.transforms, h.level, DTYPE_CODES[h.dtype], h.layers,
+    transforms = h.transforms & ~LAYER_SUBSET | (LAYER_SUBSET if h.layer_ids is not None else 0)
+    fixed = _FIXED.pack(MAGIC, VERSION, transforms, h.level, DTYPE_CODES[h.dtype], h.layers,
                         h.heads, h.head_dim, h.tokens, h.start, h.profile_id, h.group,
                         h.sink_tokens, len(h.substreams))
     lengths = np.array([len(s) for s in h.substreams], dtype="<u4")
-    parts = [fixed, np.asarray(h.steps, "<f4").tobytes(), struct.pack("<fI", h.anchor_step, len(h.sink)),
+    ids = np.array(h.layer_ids, "<u2").tobytes() if h.layer_ids is not None else b""
+    parts = [fixed, ids, np.asarray(h.steps, "<f4").tobytes(), struct.pack("<fI", h.anchor_step, len(h.sink)),
              lengths.tobytes(), bytes(h.sink), *h.substreams]
     body = b"".join(parts)
     return body + struct.pack("<I", zlib.crc32(body))
@@ -108,6 +118,14 @@ def unpack(data: bytes | bytearray | memoryview, check_crc: bool = True) -> Head
     if transforms & DELTA and group < 2:
         raise CodecError(f"bitstream uses anchor/delta with group size {group}")
     pos = _FIXED.size
+    layer_ids = None
+    if transforms & LAYER_SUBSET:
+        if len(data) < pos + 2 * layers + 4:
+            raise CodecError("bitstream truncated inside its layer list")
+        layer_ids = tuple(int(x) for x in np.frombuffer(data[pos:pos + 2 * layers], "<u2"))
+        if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
+            raise CodecError(f"bitstream's layer list {list(layer_ids)} is not increasing")
+        pos += 2 * layers
     need = pos + 8 * layers + 8 + 4 * n_sub + 4
     if len(data) < need:
         raise CodecError(f"bitstream truncated inside its tables ({len(data)} < {need} bytes)")
@@ -128,4 +146,27 @@ def unpack(data: bytes | bytearray | memoryview, check_crc: bool = True) -> Head
         subs.append(data[pos:pos + n])
         pos += int(n)
     return Header(transforms, level, DTYPES[dtype_code], layers, heads, head_dim, tokens, start,
-                  bytes(profile_id), group, sink_tokens, steps, float(anchor_step), sink, subs)
+                  bytes(profile_id), group, sink_tokens, steps, float(anchor_step), sink, subs, layer_ids)
+
+
+def select(data: bytes | memoryview, layers: tuple[int, ...]) -> bytes:
+    """The chunk `data` cut down to the profile layers `layers` (increasing; all held by it):
+    the same substreams and sink rows, a new header and CRC, nothing decoded or re-coded.
+    Returns `data` itself (as bytes) where it holds exactly those layers."""
+    h = unpack(data)
+    held = h.held_layers()
+    layers = tuple(int(x) for x in layers)
+    if layers == held:
+        return bytes(data)
+    where = {layer: i for i, layer in enumerate(held)}
+    missing = [x for x in layers if x not in where]
+    if missing or not layers or any(b <= a for a, b in zip(layers, layers[1:])):
+        raise CodecError(f"cannot select layers {list(layers)} from a chunk holding {list(held)}")
+    rows = [where[x] for x in layers]
+    sink = b""
+    if len(h.sink):  # [L, 2, sink rows, H, D] raw: a layer's rows lie together
+        sink = np.frombuffer(h.sink, np.uint8).reshape(h.layers, -1)[rows].tobytes()
+    subs = [h.substreams[2 * r + kv] for r in rows for kv in range(2)]
+    cut = Header(h.transforms, h.level, h.dtype, len(rows), h.heads, h.head_dim, h.tokens, h.start, h.profile_id,
+                 h.group, h.sink_tokens, h.steps[rows], h.anchor_step, memoryview(sink), subs, layers)
+    return pack(cut)

@@ -26,34 +26,54 @@ def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Pr
     if profile is None:
         raise ValueError("encode needs the model's profile (codec.profile.for_model(model_id))")
     profile.check_shape(L, H, D)
+    transforms = transforms_for(lv, profile)
     steps = lv.steps(profile)
-    ns = bs.sink_rows(start, profile.sink_tokens, T, lv.transforms)
+    ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
     sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
-    cos_sin = key_angles(lv.transforms, start, ns, T, profile)
-    subs = [encode_stream(kv[layer, k_or_v], layer, k_or_v, lv.transforms, steps, lv.anchor_step, start, ns, profile,
-                          cos_sin) for layer in range(L) for k_or_v in range(2)]
-    header = bs.Header(lv.transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
-                       ns, steps, lv.anchor_step, memoryview(sink), subs)
+    angles = key_angles(transforms, start, ns, T, profile)
+    subs = [encode_stream(kv[layer, k_or_v], layer, k_or_v, transforms, steps, lv.anchor_step, start, ns, profile,
+                          angles) for layer in range(L) for k_or_v in range(2)]
+    header = bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
+                       ns, steps, lv.anchor_step, memoryview(sink), subs, layer_ids_of(profile))
     return bs.pack(header)
 
 
+def transforms_for(lv: levels.Level, profile: Profile) -> int:
+    """The level's transforms, less key un-rotation for a model whose rotary scheme the codec
+    cannot invert (its profile says so)."""
+    return lv.transforms if profile.unrotates_keys else lv.transforms & ~bs.UNROTATE_KEYS
+
+
+def layer_ids_of(profile: Profile) -> tuple[int, ...] | None:
+    """What a chunk coded with `profile` records of its layers: None for all of them."""
+    ids = profile.layer_indices
+    return None if ids == tuple(range(profile.layers)) and not profile.meta.get("subset_of") else ids
+
+
 def key_angles(transforms: int, start: int, sink_rows: int, tokens: int,
-               profile: Profile) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The RoPE angles every key stream of a chunk is un-rotated by (None if it is not)."""
+               profile: Profile) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """The RoPE angles the key streams of a chunk are un-rotated by, per rope kind of their
+    layers (None if they are not un-rotated)."""
     if not transforms & bs.UNROTATE_KEYS:
         return None
-    return rope.angles(start + sink_rows, tokens - sink_rows, profile.head_dim, profile.rope_theta)
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in range(profile.layers):
+        kind = profile.rope_kind(layer)
+        if kind not in out:
+            out[kind] = rope.angles(start + sink_rows, tokens - sink_rows, profile.inv_freq(layer))
+    return out
 
 
 def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, steps: np.ndarray,
                   anchor_step: float, start: int, sink_rows: int, profile: Profile,
-                  cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> bytes:
-    """One substream: x [T, H, D] of one (layer, K/V); cos_sin: key_angles of its chunk."""
+                  angles: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> bytes:
+    """One substream: x [T, H, D] of one (layer, K/V); angles: key_angles of its chunk."""
     x = x[sink_rows:].to(torch.float32)
     n = x.shape[0]
     step = float(steps[layer, k_or_v])
     if transforms & bs.UNROTATE_KEYS and k_or_v == 0:
-        x = rope.unrotate(x, start + sink_rows, profile.rope_theta, cos_sin)
+        x = rope.unrotate(x, start + sink_rows, profile.inv_freq(layer),
+                          angles.get(profile.rope_kind(layer)) if angles else None)
     x = x.reshape(n, x.shape[1] * x.shape[2])
     if transforms & bs.DELTA:
         mean = torch.from_numpy(profile.tensors["chan_mean"][layer, k_or_v])

@@ -39,10 +39,13 @@ DECODERS_KEPT = 4  # for_profile: decoders kept, one per profile, least recently
 
 
 def read(data: bytes | memoryview, profile: Profile | None = None, check_crc: bool = True) -> tuple[bs.Header, Profile]:
-    """Validate a bitstream and find its profile (the one given, or the registry's)."""
+    """Validate a bitstream and find its profile (the one given, or the registry's), restricted
+    to the layers the chunk holds (Profile.subset) where it holds only some."""
     h = bs.unpack(data, check_crc)
     if profile is None or profile.id != h.profile_id:
         profile = profiles.find(h.profile_id)
+    if h.layer_ids is not None or profile.meta.get("subset_of"):
+        profile = profile.whole().subset(h.held_layers())
     _check(h, profile)
     return h, profile
 
@@ -120,7 +123,7 @@ class Decoder:
         self.lanes = lanes
         self._lock = threading.Lock()
         self._tables: OrderedDict[bytes, StepTables] = OrderedDict()
-        self._rope: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._rope: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._means: torch.Tensor | None = None
         self._host: Decoder | None = None  # on a GPU: decodes what the lanes do not code
 
@@ -168,15 +171,15 @@ class Decoder:
         nb, _ = self._blocks()
         return self._means[s0 * nb:(s0 + S) * nb]
 
-    def _rerotation(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (start, n)
+    def _rerotation(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.profile
+        key = (p.rope_kind(layer), start, n)
         with self._lock:
             tables = self._rope.get(key)
             if tables is not None:
                 self._rope.move_to_end(key)
                 return tables
-        p = self.profile
-        cos, sin = rope.rerotation(start, n, p.heads, p.head_dim, p.rope_theta)
+        cos, sin = rope.rerotation(start, n, p.heads, p.inv_freq(layer))
         tables = (cos.to(self.device), sin.to(self.device))
         with self._lock:
             self._rope[key] = tables
@@ -228,9 +231,21 @@ class Decoder:
             out.copy_(x)
             return
         keys, values = slice(s0 % 2, None, 2), slice(1 - s0 % 2, None, 2)  # stream s is a key where s is even
-        if len(range(S)[keys]):
+        key_streams = range(s0, s0 + S)[keys]
+        if len(key_streams):
             work = torch.empty_like(x) if scratch is None else scratch.view(S, n, H, D)
-            rope.rerotate_into(x[keys], self._rerotation(h.start + h.sink_tokens, n), out[keys], work[keys])
+            start = h.start + h.sink_tokens
+            kinds = [self.profile.rope_kind(s // 2) for s in key_streams]
+            # Runs of key streams whose layers share their frequencies take one table each (one
+            # run for a model with one kind of rotary embedding).
+            i = 0
+            while i < len(kinds):
+                j = i
+                while j + 1 < len(kinds) and kinds[j + 1] == kinds[i]:
+                    j += 1
+                run = slice(keys.start + 2 * i, keys.start + 2 * j + 1, 2)
+                rope.rerotate_into(x[run], self._rerotation(key_streams[i] // 2, start, n), out[run], work[run])
+                i = j + 1
         if len(range(S)[values]):
             out[values].copy_(x[values])
 
@@ -283,11 +298,15 @@ class Decoder:
             self._slab(h, t, s0, min(per, streams.stop - s0), out)
 
     def read(self, data: bytes | memoryview, check_crc: bool = True) -> bs.Header:
-        """Validate a chunk, which must have been coded with this decoder's profile."""
+        """Validate a chunk, which must have been coded with this decoder's profile and hold
+        its layers (a chunk holding some layers: a decoder of profile.subset(those))."""
         h = bs.unpack(data, check_crc)
         if h.profile_id != self.profile.id:
             raise CodecError(f"chunk was coded with profile {h.profile_id.hex()}, this decoder's is "
                              f"{self.profile.id.hex()}")
+        if h.held_layers() != self.profile.layer_indices:
+            raise CodecError(f"chunk holds layers {list(h.held_layers())}, this decoder decodes "
+                             f"{list(self.profile.layer_indices)}")
         _check(h, self.profile)
         return h
 
@@ -363,11 +382,12 @@ _decoders_lock = threading.Lock()
 def for_profile(profile: Profile) -> Decoder:
     """The CPU decoder of `profile`, kept: the last DECODERS_KEPT profiles' decoders (with
     their tables) live as long as the process, each bounded as Decoder says."""
+    key = profile.id + bytes(np.array(profile.layer_indices, "<u2"))  # a layer subset has its own
     with _decoders_lock:
-        dec = _decoders.get(profile.id)
+        dec = _decoders.get(key)
         if dec is None or dec.profile is not profile:
-            dec = _decoders[profile.id] = Decoder(profile, "cpu")
-        _decoders.move_to_end(profile.id)
+            dec = _decoders[key] = Decoder(profile, "cpu")
+        _decoders.move_to_end(key)
         while len(_decoders) > DECODERS_KEPT:
             _decoders.popitem(last=False)
         return dec

@@ -167,9 +167,10 @@ def _encode_part(name: str, shape: tuple, dtype_code: int, level: str, profile_i
         kv = torch.frombuffer(shm.buf, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
         lv, profile = levels.get(level), profiles.find(profile_id)
         steps = lv.steps(profile)
-        cos_sin = cachegen.key_angles(lv.transforms, start, sink_rows, shape[2], profile)
-        res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, lv.transforms, steps, lv.anchor_step,
-                                      start, sink_rows, profile, cos_sin) for s in streams]
+        transforms = cachegen.transforms_for(lv, profile)
+        angles = cachegen.key_angles(transforms, start, sink_rows, shape[2], profile)
+        res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, transforms, steps, lv.anchor_step,
+                                      start, sink_rows, profile, angles) for s in streams]
         del kv
         return res
     finally:
@@ -370,7 +371,8 @@ class CodecPool:
         try:
             np.frombuffer(shm.buf, np.uint8, count=raw.nbytes)[:] = raw
             L, _, T, H, D = kv.shape
-            ns = bs.sink_rows(start, profile.sink_tokens, T, lv.transforms)
+            transforms = cachegen.transforms_for(lv, profile)
+            ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
             subs = [s for part in self._run([(_encode_part, shm.name, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
                                               lv.name, profile.id, start, ns, part) for part in self._split(2 * L)])
                     for s in part]
@@ -378,7 +380,7 @@ class CodecPool:
             shm.close()
             shm.unlink()
         sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
-        header = bs.Header(lv.transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
+        header = bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
                            ns, lv.steps(profile), lv.anchor_step, memoryview(sink), subs)
         return bs.pack(header)
 

@@ -21,6 +21,7 @@ from . import anchor, pca, quantize, rope
 from .entropy import ComponentModels, build_models, component_probs
 from .rans import RansModels
 from .errors import CodecError
+from .layout import Layout
 
 FORMAT = "kvstreamd-profile"
 FORMAT_VERSION = 1
@@ -39,6 +40,7 @@ class Profile:
     tensors: dict[str, np.ndarray]
     _models: dict = field(default_factory=dict, repr=False)
     _basis: dict = field(default_factory=dict, repr=False)
+    _derived: dict = field(default_factory=dict, repr=False)  # rope kinds, layer subsets
     _id: bytes | None = field(default=None, repr=False)
     path: Path | None = field(default=None, compare=False)  # where it was loaded from, if anywhere
 
@@ -67,8 +69,68 @@ class Profile:
         return int(self.meta["head_dim"])
 
     @property
-    def rope_theta(self) -> float:
-        return float(self.meta["rope_theta"])
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: None where it holds every token of a prefix, W where it attends to (and a
+        model's cache keeps) only the last W tokens: the sliding-window layers of hybrid models."""
+        w = self.meta.get("layer_windows") or [None] * self.layers
+        return tuple(None if x is None else int(x) for x in w)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.layer_windows)
+
+    @property
+    def unrotates_keys(self) -> bool:
+        """False for a model whose rotary scheme the codec cannot invert (dynamic NTK, longrope:
+        the angles depend on the sequence length); its keys are coded as they are."""
+        return bool(self.meta.get("unrotate_keys", True))
+
+    def inv_freq(self, layer: int) -> torch.Tensor:
+        """[head_dim/2] float64: the rotary frequencies layer `layer`'s keys were rotated by."""
+        if "rope_inv_freq" in self.tensors:
+            return torch.from_numpy(self.tensors["rope_inv_freq"][layer].astype(np.float64))
+        return rope.default_inv_freq(float(self.meta["rope_theta"]), self.head_dim)
+
+    def rope_kind(self, layer: int) -> int:
+        """Layers with one kind share their rotary frequencies (and so their angle tables)."""
+        return self._rope_kinds()[layer]
+
+    def _rope_kinds(self) -> list[int]:
+        if "rope_kinds" not in self._derived:
+            seen: dict[bytes, int] = {}
+            self._derived["rope_kinds"] = [seen.setdefault(self.inv_freq(i).numpy().tobytes(), len(seen))
+                                           for i in range(self.layers)]
+        return self._derived["rope_kinds"]
+
+    def subset(self, layers: tuple[int, ...]) -> "Profile":
+        """This profile restricted to some of its layers (in order): what codes and decodes a
+        chunk that holds only those layers. It keeps this profile's id, which chunks name."""
+        layers = tuple(int(i) for i in layers)
+        if layers == tuple(range(self.layers)):
+            return self
+        key = ("subset", layers)
+        if key not in self._derived:
+            if not layers or sorted(set(layers)) != list(layers) or layers[-1] >= self.layers or layers[0] < 0:
+                raise CodecError(f"layers {list(layers)} are not increasing indices below {self.layers}")
+            idx = list(layers)
+            tensors = {k: v[idx] for k, v in self.tensors.items() if k not in ("rope_inv_freq",)}
+            tensors["rope_inv_freq"] = np.stack([self.inv_freq(i).numpy() for i in idx])
+            meta = dict(self.meta, num_layers=len(idx),
+                        layer_windows=[self.layer_windows[i] for i in idx], subset_of=list(idx))
+            sub = Profile(meta, tensors, path=self.path)
+            sub._id = self.id
+            sub._derived["whole"] = self
+            self._derived[key] = sub
+        return self._derived[key]
+
+    def whole(self) -> "Profile":
+        """The profile a subset was cut from (itself where it is not one)."""
+        return self._derived.get("whole", self)
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        """The parent profile's layer of each of this profile's layers (itself: 0..L-1)."""
+        return tuple(self.meta.get("subset_of") or range(self.layers))
 
     @property
     def sink_tokens(self) -> int:
@@ -209,21 +271,28 @@ def _pooled_cdf(u: torch.Tensor) -> np.ndarray:
     return (np.searchsorted(flat, grid(), side="right") / max(flat.size, 1)).astype(np.float32)
 
 
-def _stream_rows(kv: torch.Tensor, start: int, layer: int, k_or_v: int, sink: int, theta: float,
+def _stream_rows(kv: torch.Tensor, start: int, layer: int, k_or_v: int, sink: int, inv_freq: torch.Tensor,
                  unrotate: bool) -> torch.Tensor:
     """[T', C] float32 rows of one stream, the sink tokens dropped, keys optionally un-rotated."""
     x = kv[layer, k_or_v].to(torch.float32)
     skip = max(0, sink - start)
     x = x[skip:]
     if unrotate and k_or_v == 0:
-        x = rope.unrotate(x, start + skip, theta)
+        x = rope.unrotate(x, start + skip, inv_freq)
     return x.reshape(x.shape[0], -1)
 
 
-def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: float,
-        sensitivity: np.ndarray, channel_weight: np.ndarray | None = None, kl_budget: float = 1e-3,
+def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, sensitivity: np.ndarray,
+        rope_theta: float | None = None, inv_freq: np.ndarray | None = None, unrotate_keys: bool = True,
+        rope_info: list | None = None, layer_windows: list[int | None] | None = None,
+        channel_weight: np.ndarray | None = None, kl_budget: float = 1e-3,
         sink_tokens: int = 1, anchor_group: int = 10, pca_block: int | None = None, source: str = "") -> Profile:
     """Calibrate a profile from sample KV tensors [L, 2, T, H, D] with their start positions.
+
+    Rotary frequencies: `inv_freq` [L, D/2] (each layer's own, as the model computes them), or
+    plain RoPE at `rope_theta`; `unrotate_keys` False where the model's scheme cannot be
+    inverted. `rope_info` says in words what was used (recorded). `layer_windows`: per layer,
+    None or its sliding window (samples hold every layer's every token: see models.prefill).
 
     sensitivity[l, kv]: KL per unit of per-element squared error in that stream (measured
     with the model by kvstreamd.calibrate); it sets the base steps at kl_budget.
@@ -234,6 +303,12 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
     """
     L, _, _, H, D = samples[0][0].shape
     C = H * D
+    if inv_freq is None:
+        if rope_theta is None:
+            raise ValueError("fit needs the model's rotary frequencies: inv_freq or rope_theta")
+        inv_freq = np.stack([rope.default_inv_freq(rope_theta, D).numpy()] * L)
+    inv_freq = np.asarray(inv_freq, np.float64).reshape(L, D // 2)
+    windows = list(layer_windows) if layer_windows is not None else [None] * L
     # One rotation over all heads' channels by default: on SmolLM2 it takes ~13% fewer bits
     # at equal KL than one rotation per head (docs/benchmarks.md), for a larger profile.
     block = pca_block or C
@@ -245,10 +320,11 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
     for k in ("pca_cdf", "anchor_cdf", "delta_cdf"):
         t[k] = np.zeros((L, 2, GRID_POINTS), np.float32)
     for layer in range(L):
+        f = torch.from_numpy(inv_freq[layer])
         for kv in range(2):
             # PCA over un-rotated channels, the sink excluded (it is kept exact and would
             # dominate the covariance).
-            x = torch.cat([_stream_rows(s, st, layer, kv, sink_tokens, rope_theta, True) for s, st in samples])
+            x = torch.cat([_stream_rows(s, st, layer, kv, sink_tokens, f, unrotate_keys) for s, st in samples])
             mean, basis = pca.fit(x, block)
             b16 = basis.to(torch.float16).to(torch.float64)  # what the file will hold
             wc = torch.cat([(b16[i] ** 2).T @ torch.from_numpy(t["channel_weight"][layer, kv][i * block:(i + 1) * block]).double()
@@ -262,11 +338,11 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
             t["pca_cdf"][layer, kv] = _pooled_cdf(y / sigma)
 
             # CacheGen's configuration: raw channels, anchors and deltas against them.
-            raw = torch.cat([_stream_rows(s, st, layer, kv, 0, rope_theta, False) for s, st in samples])
+            raw = torch.cat([_stream_rows(s, st, layer, kv, 0, f, False) for s, st in samples])
             cmean = raw.mean(0)
-            a = torch.cat([_stream_rows(s, st, layer, kv, 0, rope_theta, False)[anchor.anchor_rows(s.shape[2], anchor_group)]
+            a = torch.cat([_stream_rows(s, st, layer, kv, 0, f, False)[anchor.anchor_rows(s.shape[2], anchor_group)]
                            for s, st in samples]) - cmean
-            d = torch.cat([anchor.deltas(r := _stream_rows(s, st, layer, kv, 0, rope_theta, False),
+            d = torch.cat([anchor.deltas(r := _stream_rows(s, st, layer, kv, 0, f, False),
                                          r[anchor.anchor_rows(r.shape[0], anchor_group)], anchor_group)
                            for s, st in samples])
             asig, dsig = a.std(0).clamp_min(1e-6), d.std(0).clamp_min(1e-6)
@@ -277,8 +353,10 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, rope_theta: f
             t["delta_cdf"][layer, kv] = _pooled_cdf(d / dsig)
     t["sensitivity"] = np.asarray(sensitivity, np.float32).reshape(L, 2)
     t["base_step"] = quantize.equal_slope_steps(t["sensitivity"], kl_budget)
+    t["rope_inv_freq"] = inv_freq
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "model_id": model_id, "num_layers": L,
-            "num_kv_heads": H, "head_dim": D, "rope_theta": rope_theta, "sink_tokens": sink_tokens,
+            "num_kv_heads": H, "head_dim": D, "rope_theta": rope_theta, "rope": rope_info or [],
+            "unrotate_keys": unrotate_keys, "layer_windows": windows, "sink_tokens": sink_tokens,
             "anchor_group": anchor_group, "kl_budget": kl_budget, "source": source,
             "calibration_tokens": int(sum(s.shape[2] for s, _ in samples))}
     return Profile(meta, t)

@@ -98,7 +98,7 @@ class SyntheticKV:
                 table = self.tables[layer, kv]
                 z = torch.lerp(table[lo], table[lo + 1], u - lo)
                 x = torch.addmm(self.mean[layer, kv], z * self.sigma[layer, kv], self.bases[layer, kv].T)
-                out[layer, kv] = rope.rerotate(x.view(tokens, H, D), start, ROPE_THETA) if kv == 0 else x.view(tokens, H, D)
+                out[layer, kv] = rope.rerotate(x.view(tokens, H, D), start, rope.default_inv_freq(ROPE_THETA, D)) if kv == 0 else x.view(tokens, H, D)
         return out
 
     def fit(self, tokens: int, chunk_tokens: int, seed: int) -> profiles.Profile:

@@ -1,0 +1,178 @@
+"""Which tokens each layer of a model holds, and the KV of a prefix laid out that way.
+
+A full-attention layer holds every token of a prefix; a sliding-window layer (Gemma-2/3's
+local layers, Mistral's window) attends to the last W tokens only, so that is all a model's
+cache keeps of it, and all a fetch needs to move. `Layout` says it per layer (from a profile's
+`layer_windows`), `PrefixKV` is the KV of an n-token prefix in that shape: one tensor per group
+of layers that hold the same token range. A model whose layers all hold every token has one
+group, the `[L, 2, n, H, D]` tensor of before (`PrefixKV.dense()`).
+
+Stores keep every layer of every chunk (any prefix of a stored context can be asked for);
+what a fetch of an n-token prefix moves of chunk [s, e) is `Layout.chunk_layers(s, e, n)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def needed_from(window: int | None, n: int) -> int:
+    """The first of an n-token prefix's tokens a layer with `window` reads (None: all of them)."""
+    return 0 if window is None else max(0, n - window + 1)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Layers that hold the same tokens: every token (window None) or the last `window`."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    windows: tuple[int | None, ...]  # per layer: None (every token) or its window
+
+    @classmethod
+    def dense(cls, layers: int) -> "Layout":
+        return cls((None,) * layers)
+
+    @property
+    def layers(self) -> int:
+        return len(self.windows)
+
+    @property
+    def is_dense(self) -> bool:
+        return all(w is None for w in self.windows)
+
+    def groups(self) -> list[Group]:
+        """Full-attention layers first, then each window, smallest first; layers in order."""
+        keys = sorted(set(self.windows), key=lambda w: (w is not None, w or 0))
+        return [Group(w, tuple(i for i, x in enumerate(self.windows) if x == w)) for w in keys]
+
+    def first_token(self, window: int | None, n: int, chunk_tokens: int | None = None) -> int:
+        """The first token of an n-token prefix a layer with `window` needs: a query attends to
+        itself and the window - 1 tokens before it, which is what a model's cache keeps. With
+        chunk_tokens, rounded down to its chunk's start (fetches move whole chunks)."""
+        first = needed_from(window, n)
+        return first if chunk_tokens is None else first - first % chunk_tokens
+
+    def chunk_layers(self, start: int, end: int, n: int) -> tuple[int, ...]:
+        """The layers whose tokens of an n-token prefix overlap chunk [start, end)."""
+        return tuple(i for i, w in enumerate(self.windows) if end > needed_from(w, n))
+
+    def token_layers(self, n: int, chunk_tokens: int | None = None) -> int:
+        """Token-layers an n-token prefix holds (whole chunks where chunk_tokens is given)."""
+        return sum(len(g.layers) * (n - self.first_token(g.window, n, chunk_tokens)) for g in self.groups())
+
+
+@dataclass
+class Part:
+    """One group's KV: tokens [start, start + kv.shape[2]) of its layers, `[Lg, 2, T, H, D]`."""
+
+    layers: tuple[int, ...]
+    start: int
+    kv: torch.Tensor
+    window: int | None = None  # the layers' window (None: they attend to every token)
+
+
+@dataclass
+class PrefixKV:
+    """The KV of a `tokens`-token prefix: per group of layers, the token range they hold."""
+
+    tokens: int
+    parts: list[Part]
+
+    @classmethod
+    def from_dense(cls, kv: torch.Tensor, layout: Layout | None = None, chunk_tokens: int | None = None) -> "PrefixKV":
+        """Views of a `[L, 2, n, H, D]` tensor that holds every layer's every token, each
+        windowed group cut to the tokens it needs (copies for groups of scattered layers)."""
+        n = kv.shape[2]
+        layout = layout or Layout.dense(kv.shape[0])
+        parts = []
+        for g in layout.groups():
+            first = layout.first_token(g.window, n, chunk_tokens)
+            idx = list(g.layers)
+            sel = kv[idx[0]:idx[-1] + 1] if idx == list(range(idx[0], idx[-1] + 1)) else kv[idx]
+            parts.append(Part(g.layers, first, sel[:, :, first:], g.window))
+        return cls(n, parts)
+
+    @property
+    def layers(self) -> int:
+        return sum(len(p.layers) for p in self.parts)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].kv.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.kv.numel() * p.kv.element_size() for p in self.parts)
+
+    def layer(self, i: int) -> tuple[int, torch.Tensor]:
+        """(first token, `[2, T, H, D]`) of layer i."""
+        for p in self.parts:
+            if i in p.layers:
+                return p.start, p.kv[p.layers.index(i)]
+        raise IndexError(f"layer {i} is not in this prefix's KV")
+
+    def dense(self) -> torch.Tensor:
+        """The `[L, 2, n, H, D]` tensor, where every layer holds every token (no copy for one
+        group); ValueError where some layers hold only a window."""
+        if len(self.parts) == 1 and self.parts[0].start == 0:
+            return self.parts[0].kv
+        if any(p.start for p in self.parts):
+            raise ValueError("some layers of this KV hold only their window of the prefix: use the parts")
+        first = self.parts[0].kv
+        out = torch.empty((self.layers, *first.shape[1:]), dtype=first.dtype, device=first.device)
+        for p in self.parts:
+            out[list(p.layers)] = p.kv
+        return out
+
+    def to(self, device=None, dtype=None, copy: bool = False) -> "PrefixKV":
+        return PrefixKV(self.tokens, [Part(p.layers, p.start, p.kv.to(device=device, dtype=dtype, copy=copy), p.window)
+                                      for p in self.parts])
+
+    def prefix(self, n: int) -> "PrefixKV":
+        """The KV of the first n tokens: views. ValueError where a windowed group does not
+        hold the tokens the shorter prefix needs of it."""
+        if not 0 < n <= self.tokens:
+            raise ValueError(f"a prefix of {n} tokens of a {self.tokens}-token KV")
+        parts = []
+        for p in self.parts:
+            need = needed_from(p.window, n)
+            if p.start > need:
+                raise ValueError(f"layers {list(p.layers)} hold tokens from {p.start}; a {n}-token prefix "
+                                 f"needs them from {need}")
+            parts.append(Part(p.layers, p.start, p.kv[:, :, :n - p.start], p.window))
+        return PrefixKV(n, parts)
+
+
+def fetch_parts(layout: Layout, n: int, chunk_tokens: int) -> list[dict]:
+    """The parts a fetch of an n-token prefix fills, in buffer order: per group its layers, its
+    first token (its window's first chunk) and window. What the start event tells a client."""
+    return [{"layers": list(g.layers), "start": layout.first_token(g.window, n, chunk_tokens), "window": g.window}
+            for g in layout.groups()]
+
+
+def parts_numel(parts: list[dict], n: int, heads: int, head_dim: int) -> int:
+    return sum(len(p["layers"]) * 2 * (n - p["start"]) * heads * head_dim for p in parts)
+
+
+def over(flat: torch.Tensor, parts: list[dict], n: int, heads: int, head_dim: int) -> PrefixKV:
+    """A PrefixKV of views into `flat` (1-D, parts_numel elements): the parts back to back, each
+    `[len(layers), 2, n - start, H, D]`."""
+    out, offset = [], 0
+    for p in parts:
+        shape = (len(p["layers"]), 2, n - int(p["start"]), heads, head_dim)
+        size = shape[0] * shape[1] * shape[2] * heads * head_dim
+        out.append(Part(tuple(int(x) for x in p["layers"]), int(p["start"]), flat[offset:offset + size].view(shape),
+                        p.get("window")))
+        offset += size
+    if offset > flat.numel():
+        raise ValueError(f"{flat.numel()} elements do not hold parts of {offset}")
+    return PrefixKV(n, out)
