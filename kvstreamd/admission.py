@@ -27,16 +27,22 @@ class Wanted:
     start: int  # token range [start, end) of the prompt
     end: int
     model_id: str
-    layers: int
+    layer_ids: tuple[int, ...]  # the profile layers asked for (all, but for a hybrid model's window)
     heads: int
     head_dim: int
     levels: tuple[str, ...]  # the levels the fetch accepts
+    all_layers: int = 0  # the profile's layer count
 
     @classmethod
     def of(cls, keys: list[bytes], bounds: list[tuple[int, int]], i: int, profile: Profile,
-           levels: list[str]) -> Wanted:
+           levels: list[str], layers: tuple[int, ...] | None = None) -> Wanted:
         s, e = bounds[i]
-        return cls(keys[i], s, e, profile.model_id, profile.layers, profile.heads, profile.head_dim, tuple(levels))
+        ids = tuple(layers) if layers is not None else tuple(range(profile.layers))
+        return cls(keys[i], s, e, profile.model_id, ids, profile.heads, profile.head_dim, tuple(levels), profile.layers)
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_ids)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -99,3 +105,5 @@ def _bitstream(payload: bytes | memoryview, level: str, chunk: Wanted) -> None:
     if h.shape != chunk.shape:
         raise Refused("wrong_shape", f"its bitstream declares shape {list(h.shape)}, the chunk's is "
                                      f"{list(chunk.shape)}")
+    if h.held_layers() != chunk.layer_ids:
+        raise Refused("wrong_layers", f"it holds layers {list(h.held_layers())}, not the {list(chunk.layer_ids)} asked")

@@ -10,6 +10,10 @@ prompt's longest cached prefix chunk by chunk, and map the fetched KV zero-copy.
         kv = f.kv[:, :, :f.end.kv_tokens]           # text ranges (f.text_ranges) are the model's to recompute
     # leaving the block releases the buffer; clone what must outlive it
 
+A hybrid model's sliding layers hold only their window of the prefix: `f.prefix` (a
+codec.layout.PrefixKV) has the KV as each layer holds it, for every model; `f.kv` is its one
+`[L, 2, T, H, D]` tensor where every layer holds every token.
+
 `AsyncClient` has the same methods as coroutines (fetch is an async iterator)."""
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import torch
+
+from codec import layout
+from codec.layout import PrefixKV
 
 from . import events
 from .shm import Attached, Segment
@@ -63,6 +70,7 @@ class _FetchState:
         self.end: events.End | None = None
         self.events: list[ChunkEvent] = []
         self._att: Attached | None = None
+        self._parts: list[dict] = []
 
     def _on(self, obj: dict) -> ChunkEvent | None:
         try:
@@ -71,11 +79,14 @@ class _FetchState:
             raise ClientError("protocol", str(e)) from None
         if isinstance(ev, events.Start):
             self.start = ev
+            L, _, n, H, D = ev.shape
+            self._parts = ev.parts or [{"layers": list(range(L)), "start": 0, "window": None}]
+            flat = (layout.parts_numel(self._parts, n, H, D),)
             if ev.buffer and ev.cuda_ipc:  # decoded on the daemon's GPU: map its memory
                 from .cuda_ipc import CudaAttached
-                self._att = CudaAttached.open(ev.cuda_ipc, tuple(ev.shape), ev.dtype, torch.device(ev.device).index or 0)
+                self._att = CudaAttached.open(ev.cuda_ipc, flat, ev.dtype, torch.device(ev.device).index or 0)
             elif ev.buffer:
-                self._att = Attached.open(ev.buffer, tuple(ev.shape), ev.dtype)
+                self._att = Attached.open(ev.buffer, flat, ev.dtype)
             return None
         if isinstance(ev, events.End):
             self.end = ev
@@ -86,11 +97,22 @@ class _FetchState:
         return ev
 
     @property
+    def prefix(self) -> PrefixKV | None:
+        """The prefix's KV as its model's layers hold it (codec.layout): per group of layers a
+        `[Lg, 2, T, H, D]` tensor of the tokens they read, zero-copy over the daemon's shared
+        memory (or, for a fetch with device="cuda" from a daemon with a GPU, its device memory:
+        see `device`); None when nothing was found."""
+        if self._att is None:
+            return None
+        _, _, n, H, D = self.start.shape
+        return layout.over(self._att.tensor, self._parts, n, H, D)
+
+    @property
     def kv(self) -> torch.Tensor | None:
-        """[L, 2, found_tokens, H, D], zero-copy over the daemon's shared memory (or, for a
-        fetch with device="cuda" from a daemon with a GPU, its device memory: see `device`);
-        None when nothing was found."""
-        return self._att.tensor if self._att is not None else None
+        """[L, 2, found_tokens, H, D] (as `prefix`, for a model whose layers all hold every
+        token: ValueError for a hybrid model's, whose sliding layers hold their window only)."""
+        prefix = self.prefix
+        return prefix.dense() if prefix is not None else None
 
     @property
     def device(self) -> str:

@@ -28,7 +28,7 @@ class Start:
 
     event: ClassVar[str] = "start"
     buffer: str | None  # the buffer's name (None when nothing was found)
-    shape: list[int]  # [L, 2, found_tokens, H, D]
+    shape: list[int]  # [L, 2, found_tokens, H, D]: the prefix's KV, every layer's every token
     dtype: str
     device: str  # where the buffer lies: "cpu" (shared memory) or "cuda:N"
     prompt_tokens: int
@@ -38,6 +38,11 @@ class Start:
     lease_s: float  # the buffer is released this long after the fetch unless the client does it
     cuda_ipc: str | None = None  # cudaIpcMemHandle_t as hex, for a buffer on a GPU
     gpu_unavailable: str | None = None  # why a fetch that asked for device "cuda" got host memory
+    # What the buffer holds, back to back: per group of layers {"layers", "start", "window"},
+    # `[len(layers), 2, found_tokens - start, H, D]` (codec.layout.fetch_parts). One part of
+    # every layer from token 0 for a model whose layers all hold every token (the `shape`
+    # tensor); a hybrid model's sliding layers hold their window only. None: that one part.
+    parts: list[dict] | None = None
 
 
 @dataclass(frozen=True)

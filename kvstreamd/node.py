@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 import torch
 
+from codec import layout
 from codec.errors import CodecError
 from codec.parallel import WorkerLost
 from codec.profile import Profile
@@ -255,27 +256,30 @@ class Node:
         # planned again now that it has a slot: what is held may have changed while it waited
         p = plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens)
         shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
+        parts = layout.fetch_parts(prof.layout, p.found_tokens, cfg.codec.chunk_tokens)
+        flat = (layout.parts_numel(parts, p.found_tokens, prof.heads, prof.head_dim),)
         on_gpu = req.device == "cuda" and self.gpu is not None
         buf: FetchBuffer | None = None
         if p.found:
-            buf = await self._allocate(shape, dtype, on_gpu)
+            buf = await self._allocate(flat, dtype, on_gpu)
             self.hold_buffer(buf)  # held from here, so that any failure below releases it
         view = None
         ok = False
         try:
             if buf is not None:
-                view = buf.tensor(shape, dtype)
+                view = layout.over(buf.tensor(flat, dtype), parts, p.found_tokens, prof.heads, prof.head_dim)
             place = buf.placement() if buf is not None else {"device": str(self.gpu) if on_gpu else "cpu"}
             await emit(events.Start(
                 buffer=buf.name if buf else None, shape=list(shape), dtype=dtype, prompt_tokens=len(tokens),
                 found_tokens=p.found_tokens, chunk_tokens=cfg.codec.chunk_tokens,
                 local_tokens=p.bounds[p.local - 1][1] if p.local else 0, lease_s=cfg.api.buffer_lease_s,
-                gpu_unavailable=self.gpu_why if req.device == "cuda" and not on_gpu else None, **place))
+                gpu_unavailable=self.gpu_why if req.device == "cuda" and not on_gpu else None,
+                parts=parts if p.found else None, **place))
             job = FetchJob(p, req.model_id, tokens, req.deadline_ms or cfg.fetch.deadline_ms, view, self.store,
                            self.peers, self.coder, self.metrics, list(req.levels or cfg.codec.levels))
             job.recompute_tps = req.recompute_tokens_per_s or cfg.fetch.recompute_tokens_per_s
             job.stall_s, job.started_at = cfg.fetch.stall_s, arrived
-            if on_gpu and p.found:
+            if on_gpu and p.found and prof.layout.is_dense:  # (a hybrid model's parts fill from the CPU decoders)
                 job.stages = await asyncio.to_thread(self._stages_for, prof)
             res = await job.run(emit)
             job.buffer = None

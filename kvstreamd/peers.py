@@ -8,11 +8,14 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from transport import aio
 from transport.bandwidth import PeerBandwidth
 from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
-from codec import catalog
+from codec import catalog, select_layers
+from codec.errors import CodecError
+from codec.layout import Layout
 from transport.policy import TEXT, adaptive_rule, fixed_rule
 from transport.send import send_chunks
 
@@ -42,7 +45,8 @@ class PeerState:
 
 class PeerManager:
     def __init__(self, node_id: str, secret: bytes, cfg: PeerConfig, store: Store, directory: Directory,
-                 metrics: Metrics, caps: dict, recompute_tokens_per_s: float) -> None:
+                 metrics: Metrics, caps: dict, recompute_tokens_per_s: float,
+                 layout_for: Callable[[str], Layout] | None = None) -> None:
         self.node_id = node_id
         self.secret = secret
         self.cfg = cfg
@@ -51,6 +55,7 @@ class PeerManager:
         self.metrics = metrics
         self.caps = caps
         self.recompute_tokens_per_s = recompute_tokens_per_s
+        self.layout_for = layout_for  # model id -> which tokens each layer holds (its profile's)
         self.bandwidth = PeerBandwidth()
         self.server: aio.Server | None = None
         self.by_node: dict[str, set[aio.PeerConnection]] = {}
@@ -262,12 +267,13 @@ class PeerManager:
         recs = recs[:held]
         served.chunk_keys = [r.key for r in recs]  # each CHUNK says which chunk it is, from the record
         coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs)]
-        sizes = {lv: [len(r.levels[lv]) for r in recs] for lv in coded}
+        payloads, shares = await asyncio.to_thread(self._payloads, recs, coded, fetch.prefix_tokens)
+        sizes = {lv: [len(p[lv]) for p in payloads] for lv in coded}
         sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
         caps = served.peer.peer_caps or {}
         decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
         recompute_tps = float(fetch.recompute_tps or caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
-        fp16_mb = max(2 * _numel(r.shape) for r in recs) / 1e6
+        fp16_mb = max(2 * _numel(r.shape) * share for r, share in zip(recs, shares)) / 1e6
         work = {lv: catalog.decode_seconds(lv, fp16_mb, decode_mbps) for lv in coded}
         work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
         estimator = self.bandwidth.get(peer)
@@ -277,13 +283,39 @@ class PeerManager:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
             rule = fixed_rule(coded[0])
             sizes = {coded[0]: sizes[coded[0]]}
-        done = await send_chunks(served, sizes, lambda i, lv: recs[i].levels[lv], lambda i: list(recs[i].tokens),
+        done = await send_chunks(served, sizes, lambda i, lv: payloads[i][lv], lambda i: list(recs[i].tokens),
                                  rule, estimator, work, catalog.dppl_table(coded),
                                  on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc(),
                                  count=held)
         if missing:
             await served.fail(NOT_FOUND, missing)
         return done.coded_bytes, done.busy_s, estimator, done.sender, done.started
+
+    def _payloads(self, recs, coded: list[str], prefix_tokens: int | None) -> tuple[list[dict], list[float]]:
+        """Each chunk's payload per level, cut to the layers that read the first prefix_tokens
+        tokens (all of them where the fetcher did not say, or its model holds every token in
+        every layer), and the share of its layers each keeps. Off the loop: cutting a baseline
+        chunk decodes it."""
+        payloads, shares = [], []
+        for r in recs:
+            layout = self._layout(r.model_id) if prefix_tokens is not None else None
+            layers = layout.chunk_layers(r.start, r.start + len(r.tokens), prefix_tokens) if layout else None
+            if layers is None or len(layers) == r.shape[0]:
+                payloads.append({lv: r.levels[lv] for lv in coded})
+                shares.append(1.0)
+            else:
+                payloads.append({lv: select_layers(r.levels[lv], layers) for lv in coded})
+                shares.append(len(layers) / r.shape[0])
+        return payloads, shares
+
+    def _layout(self, model_id: str) -> Layout | None:
+        if self.layout_for is None:
+            return None
+        try:
+            layout = self.layout_for(model_id)
+        except CodecError:
+            return None  # no profile here for it: every layer is sent
+        return None if layout.is_dense else layout
 
     # -- reporting -------------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ from typing import Awaitable, Callable
 
 import torch
 
-from codec import catalog
+from codec import catalog, select_layers
 from codec.errors import CodecError
+from codec.layout import PrefixKV
 from transport import aio
 from transport.messages import NOT_FOUND
 from transport.policy import TEXT
@@ -94,7 +95,7 @@ class _Item:
     payload: bytes | None = None
     arrived: float = 0.0
     error: str | None = None
-    kv: torch.Tensor | None = None
+    kv: torch.Tensor | None = None  # decoded: [layers the chunk holds, 2, T, H, D]
     nbytes: int = 0  # wire bytes of the chunk (payload, or 4 per token for TEXT)
     staged: object = None  # codec.gpu.Staged: parsed and uploaded on the receive stream
 
@@ -110,10 +111,12 @@ class FetchResult:
 
 
 class FetchJob:
-    """Runs one fetch into `buffer` ([L, 2, found_tokens, H, D]), calling `emit(event)` for
-    each chunk as it is ready."""
+    """Runs one fetch into `buffer` (the prefix's KV laid out as its model's layers hold it:
+    codec.layout), calling `emit(event)` for each chunk as it is ready. Of each chunk only the
+    layers that read the prefix are moved, decoded and filled: all of them for a model whose
+    layers hold every token; for a hybrid one, its sliding layers only in their window."""
 
-    def __init__(self, plan: Plan, model_id: str, tokens: list[int], deadline_ms: int, buffer: torch.Tensor | None,
+    def __init__(self, plan: Plan, model_id: str, tokens: list[int], deadline_ms: int, buffer: PrefixKV | None,
                  store: Store, peers: PeerManager, coder: Coder, metrics: Metrics, levels: list[str]) -> None:
         self.plan = plan
         self.model_id = model_id
@@ -174,7 +177,10 @@ class FetchJob:
                                     error=f"corrupt locally: {why}" if why else "evicted locally"))
                 continue
             self.metrics.chunks.labels(level, "local").inc()
-            item = _Item(i, "kv", level, "local", rec.levels[level], time.monotonic(), nbytes=len(rec.levels[level]))
+            payload = rec.levels[level]
+            if len(self._layers(i)) != rec.shape[0]:  # a hybrid model's chunk outside a sliding window
+                payload = await asyncio.to_thread(select_layers, payload, self._layers(i))
+            item = _Item(i, "kv", level, "local", payload, time.monotonic(), nbytes=len(payload))
             await self._upload(item)
             await out.put(item)
         i = p.local
@@ -200,7 +206,7 @@ class FetchJob:
             t = time.perf_counter()
             stream = conn.fetch(p.keys[i:end], max(self._remaining_ms(), 1), self.levels + [TEXT],
                                 decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps,
-                                stall_s=self.stall_s, limit_s=left)
+                                stall_s=self.stall_s, limit_s=left, prefix_tokens=self._prefix_tokens)
             nbytes, base = 0, i
             try:
                 async for msg in stream:
@@ -208,7 +214,8 @@ class FetchJob:
                     if hasattr(msg, "payload"):
                         nbytes += len(msg.payload)
                         try:  # the chunk asked for? Checked before any of it is decoded or sized
-                            admit(msg.payload, msg.level, Wanted.of(p.keys, p.bounds, j, prof, self.levels), msg.key)
+                            admit(msg.payload, msg.level, Wanted.of(p.keys, p.bounds, j, prof, self.levels,
+                                                                    self._layers(j)), msg.key)
                         except Refused as e:
                             failed.add(peer)  # not trusted for the rest of this fetch
                             why = f"peer {peer} sent chunk {j} that is not the chunk asked: {e}"
@@ -314,12 +321,39 @@ class FetchJob:
         self.coder.observe(staged.kv.numel() * 2 / 1e6, time.perf_counter() - t0, gpu=True)
         return staged
 
+    @property
+    def _prefix_tokens(self) -> int | None:
+        """What a peer is told of the prefix (so that it sends only the layers that read it);
+        None for a model whose layers all hold every token."""
+        return None if self.layout is None or self.layout.is_dense else self.plan.found_tokens
+
+    @property
+    def layout(self):
+        return self.coder.profile_for(self.model_id).layout if self.buffer is not None else None
+
+    def _layers(self, i: int) -> tuple[int, ...]:
+        """The layers of chunk i this fetch moves."""
+        s, e = self.plan.bounds[i]
+        return self.layout.chunk_layers(s, e, self.plan.found_tokens)
+
     def _check_shape(self, item: _Item) -> None:
         s, e = self.plan.bounds[item.i]
-        want = (self.buffer.shape[0], 2, e - s, *self.buffer.shape[3:])
+        H, D = self.buffer.parts[0].kv.shape[3:]
+        want = (len(self._layers(item.i)), 2, e - s, H, D)
         shape = tuple((item.kv.kv if hasattr(item.kv, "prep") else item.kv).shape)
         if shape != want:
             raise CodecError(f"decoded shape {shape} is not the chunk's {want}")
+
+    def _fill_cpu(self, i: int, kv: torch.Tensor) -> None:
+        """Chunk i's decoded layers into the parts of the buffer that hold them."""
+        s, e = self.plan.bounds[i]
+        row = {layer: r for r, layer in enumerate(self._layers(i))}
+        for part in self.buffer.parts:
+            if part.start >= e:
+                continue  # these layers do not read this chunk of the prefix
+            rows = [row[layer] for layer in part.layers]
+            src = kv[rows[0]:rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else kv[rows]
+            part.kv[:, :, s - part.start:e - part.start].copy_(src)
 
     # -- stage 3: fill -----------------------------------------------------------------------
 
@@ -330,11 +364,11 @@ class FetchJob:
             if item.kind == "kv":
                 t = time.perf_counter()
                 if hasattr(item.kv, "prep"):  # decoded on the device: copy on the fill stream
-                    done = self.stages.fill(item.kv, self.buffer[:, :, s:e])
+                    done = self.stages.fill(item.kv, self.buffer.dense()[:, :, s:e])  # (GPU stages: dense layouts)
                     if done is not None:
                         await asyncio.to_thread(done.synchronize)
                 else:
-                    await asyncio.to_thread(self.buffer[:, :, s:e].copy_, item.kv)
+                    await asyncio.to_thread(self._fill_cpu, item.i, item.kv)
                 busy += time.perf_counter() - t
                 item.kv = None
             self.result.levels.append(item.level)

@@ -341,7 +341,8 @@ def test_a_bitstream_declaring_more_tokens_than_the_chunk_is_refused(small_profi
 def test_a_bitstream_coded_for_another_model_is_refused(small_profile):
     tokens, kv = context(256)
     chunk = wanted(tokens, 0, small_profile)
-    other = Wanted(chunk.key, 0, 256, "another-model", *SMALL.values(), tuple(LEVELS))
+    other = Wanted(chunk.key, 0, 256, "another-model", tuple(range(SMALL["layers"])), SMALL["heads"],
+                   SMALL["head_dim"], tuple(LEVELS))
     r = refusal(_encode(kv, "high", small_profile, 0), "high", other)
     assert r.reason == "wrong_model" and "'synthetic-test-model', not for 'another-model'" in str(r)
 

@@ -92,6 +92,10 @@ class Fetch(Message):
     levels: list[str]  # levels the fetcher can decode, best first; TEXT is always acceptable
     decode_mbps: float | None = None  # fetcher's decode rate, MB/s of fp16 output; None = unknown
     recompute_tps: float | None = None  # fetcher's prefill rate for TEXT chunks, tokens/s; None = unknown
+    # the fetcher uses the first prefix_tokens tokens of the context: of each chunk, only the
+    # layers that read some of them are sent (a sliding layer whose window starts after the
+    # chunk is left out). None: every layer of every chunk
+    prefix_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -315,7 +319,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Withdraw: {"keys": lambda v: _list(v, _key)},
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
             "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
-            "recompute_tps": _optional_positive_float},
+            "recompute_tps": _optional_positive_float, "prefix_tokens": _optional_uint},
     Chunk: {"req": _uint, "i": _uint, "level": _str, "payload": _bytes, "crc": _uint32, "key": _optional_key},
     Text: {"req": _uint, "i": _uint, "tokens": lambda v: _list(v, _uint)},
     Ack: {"req": _uint, "i": _uint, "recv_bytes": _uint},
@@ -325,7 +329,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Ping: {"time": _float, "pad": _optional_bytes},
     Pong: {"time": _float},
 }
-_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Chunk, "key"), (Error, "req"),
+_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Chunk, "key"), (Error, "req"),
              (Ping, "pad")}  # may be absent on the wire (= nil)
 
 
