@@ -39,14 +39,17 @@ def measure_sensitivity(lm, cases: list[tuple[torch.Tensor, list[int], torch.Ten
     out = np.zeros((L, 2))
     gen = torch.Generator().manual_seed(0)
     for layer in range(L):
+        window = lm.layout.windows[layer]
         for k_or_v in range(2):
             ratios = []
             for kv, cont, ref in cases:
-                stream = kv[layer, k_or_v, sink_tokens:]
+                # A sliding layer is perturbed only where the model reads it: its window.
+                first = max(sink_tokens, lm.layout.first_token(window, kv.shape[2]))
+                stream = kv[layer, k_or_v, first:]
                 eps = 0.03 * float(stream.std())
                 for _ in range(5):
                     noisy = kv.clone()
-                    noisy[layer, k_or_v, sink_tokens:] += torch.randn(stream.shape, generator=gen) * eps
+                    noisy[layer, k_or_v, first:] += torch.randn(stream.shape, generator=gen) * eps
                     d = quality.kl(ref, models.continuation_logits(lm, noisy, cont))
                     if d > 5e-3:
                         eps /= 3  # out of the quadratic regime
@@ -66,12 +69,13 @@ def channel_weights(lm, windows: list[list[int]], sink_tokens: int) -> np.ndarra
 
     Keys: a key error e changes the logit of query q by q.R(n-m)e; averaged over relative
     positions the rotation spreads each rotary pair evenly, so the weight of channel i is the
-    mean energy of the un-rotated queries (q_proj's output, before RoPE) in i's pair, over the
-    query heads that share the KV head. Values: an error passes through the attention weights
-    (which sum to one) and o_proj, so the weight is o_proj's squared column norm, summed over
-    the query heads that read the KV head.
+    mean energy of the un-rotated queries (before RoPE: q_proj's output, or q_norm's in models
+    that normalise queries, as Gemma-3 and Qwen3 do) in i's pair, over the query heads that
+    share the KV head. Values: an error passes through the attention weights (which sum to one)
+    and o_proj, so the weight is o_proj's squared column norm, summed over the query heads that
+    read the KV head. Module names are transformers' for every Llama-like decoder.
     """
-    layers = lm.model.model.layers
+    layers = decoder_layers(lm.model)
     H, D = lm.num_kv_heads, lm.head_dim
     group = layers[0].self_attn.q_proj.out_features // (H * D)
     energy = [torch.zeros(group * H * D, dtype=torch.float64) for _ in layers]
@@ -79,13 +83,15 @@ def channel_weights(lm, windows: list[list[int]], sink_tokens: int) -> np.ndarra
 
     def hook(i):
         def record(_module, _inputs, out):
-            q = out[0, sink_tokens:].to(torch.float64)
+            # q_proj gives [1, T, heads * D]; a q_norm runs on [1, heads, T, D]
+            q = out[0].transpose(0, 1) if out.dim() == 4 else out[0]
+            q = q[sink_tokens:].reshape(q.shape[0] - sink_tokens, -1).to(torch.float64)
             energy[i] += (q ** 2).sum(0)
             if i == 0:
                 count[0] += q.shape[0]
         return record
 
-    handles = [layer.self_attn.q_proj.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    handles = [query_module(layer.self_attn).register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
     try:
         for w in windows:
             models.prefill(lm, w, all_logits=False)
@@ -101,6 +107,20 @@ def channel_weights(lm, windows: list[list[int]], sink_tokens: int) -> np.ndarra
         cols = layer.self_attn.o_proj.weight.detach().to(torch.float64).pow(2).sum(0)  # [heads * D]
         out[i, 1] = cols.view(H, group, D).sum(1).reshape(-1).numpy()
     return out
+
+
+def decoder_layers(model) -> list:
+    """The decoder blocks of a transformers causal LM (`model.model.layers`)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers at model.model.layers to calibrate on")
+    return list(layers)
+
+
+def query_module(attn):
+    """The module whose output is the queries before RoPE: q_norm where the model has one."""
+    return getattr(attn, "q_norm", None) or attn.q_proj
 
 
 def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[str, float]:
@@ -147,8 +167,9 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     log("measuring channel weights (query energy per rotary pair, o_proj column norms)")
     weights = channel_weights(lm, [w[:tokens] for w in windows[:2]], sink_tokens)
     log("fitting PCA bases and symbol statistics")
-    prof = profiles.fit(samples, model_id=lm.model_id, rope_theta=lm.rope_theta, sensitivity=sensitivity,
-                        channel_weight=weights,
+    prof = profiles.fit(samples, model_id=lm.model_id, inv_freq=lm.rotary.inv_freq,
+                        unrotate_keys=lm.rotary.invertible, rope_info=lm.rotary.info,
+                        layer_windows=lm.layer_windows, sensitivity=sensitivity, channel_weight=weights,
                         sink_tokens=sink_tokens,
                         source=f"wikitext-2 {split}.txt, {contexts} x {tokens} tokens")
     log("tuning level scales")

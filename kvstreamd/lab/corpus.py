@@ -18,9 +18,11 @@ def wikitext_dir() -> Path:
 
 
 def windows(tokenizer, split: str, count: int, length: int) -> list[list[int]]:
-    """`count` windows of `length` tokens, spread evenly over the split's file."""
+    """`count` windows of `length` tokens, spread evenly over the split's file; for a model
+    that needs a BOS, each window starts with it (as every context the model sees does)."""
     ids = tokenizer.encode((wikitext_dir() / f"{split}.txt").read_text(encoding="utf-8"))
     if len(ids) < count * length:
         raise ValueError(f"{split}.txt has {len(ids)} tokens, fewer than {count} x {length}")
     stride = (len(ids) - length) // max(count - 1, 1) if count > 1 else 0
-    return [ids[i * stride:i * stride + length] for i in range(count)]
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
+    return [bos + ids[i * stride:i * stride + length - len(bos)] for i in range(count)]
