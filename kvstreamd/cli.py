@@ -12,7 +12,7 @@ def _bench_codec(args: argparse.Namespace) -> int:
 
     report = bench.run(tokens=args.tokens, contexts=args.contexts, continuation=args.continuation,
                        chunk_tokens=args.chunk_tokens, schemes=args.schemes, json_path=args.json,
-                       plot_path=args.plot)
+                       plot_path=args.plot, model=args.model)
     print()
     print(f"{report['model']}: {report['contexts']} x {report['tokens']}-token WikiText-2 test contexts, "
           f"{report['continuation']} continuation tokens, exact-cache ppl {report['exact_ppl']:.3f}")
@@ -27,7 +27,8 @@ def _bench_stream(args: argparse.Namespace) -> int:
 
     bandwidths = [float(b.lower().removesuffix("mbit")) for b in args.bandwidth]
     report = bench.run(bandwidths, tokens=args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
-                       trace_file=args.trace, n_traces=args.traces, methods=args.methods, json_path=args.json)
+                       trace_file=args.trace, n_traces=args.traces, methods=args.methods, json_path=args.json,
+                       model=args.model)
     print()
     print(f"{report['tokens']}-token context, deadline {report['deadline_ms']} ms")
     print(bench.table(report))
@@ -49,7 +50,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     report = e2e.run(_mbits([args.bandwidth]), [args.tokens], runs=1, deadline_ms=args.deadline_ms,
                      trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000, json_path=args.json,
-                     plot_path=args.plot, progress=not args.quiet, chunk_tokens=args.chunk_tokens)
+                     plot_path=args.plot, progress=not args.quiet, chunk_tokens=args.chunk_tokens, model=args.model)
     print()
     print(f"{report['model']}, document of {report['runs'][0]['doc_tokens']} WikiText-2 tokens stored on host a, "
           f"prompt = document + question on host b, deadline {report['runs'][0]['deadline_ms']} ms"
@@ -66,7 +67,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
     report = e2e.run(_mbits(args.bandwidth), args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
                      methods=args.methods, trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000,
-                     json_path=args.json, plot_path=args.plot, progress=not args.quiet)
+                     json_path=args.json, plot_path=args.plot, progress=not args.quiet, model=args.model)
     print()
     print(e2e.table(report))
     print(f"\nJSON written to {args.json}")
@@ -96,7 +97,7 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     from codec import Profile
 
-    lm = models.load()
+    lm = models.load(args.model)
     sens = Profile.load(args.sensitivity_from).tensors["sensitivity"] if args.sensitivity_from else None
     prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens, sensitivity=sens)
     out = Path(args.out)
@@ -160,9 +161,9 @@ def _peers(args: argparse.Namespace) -> int:
 
 def _text_tokens(args: argparse.Namespace):
     from . import models
-    lm = models.load()
+    lm = models.load(args.model)
     text = Path(args.file).read_text()
-    tokens = lm.tokenizer.encode(text)
+    tokens = lm.tokenizer.document(text)
     if args.tokens:
         tokens = tokens[:args.tokens]
     return lm, models, tokens
@@ -195,6 +196,26 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+@_guard
+def _generate(args: argparse.Namespace) -> int:
+    """Greedy-generate after a text file, its longest cached prefix fetched from the cluster."""
+    from .models.prefix import generate
+    lm, _, tokens = _text_tokens(args)
+    new, reuse = generate(lm.model, tokens, _client(args), lm.model_id, max_new_tokens=args.max_new_tokens,
+                          deadline_ms=args.deadline_ms)
+    _print({"tokens": len(tokens), "found_tokens": reuse.found_tokens, "kv_tokens": reuse.kv_tokens,
+            "text_tokens": reuse.text_tokens, "levels": reuse.levels, "bytes": reuse.bytes,
+            "ttft_s": round(reuse.ttft_s or 0.0, 3), "errors": reuse.errors, "generated": new,
+            "text": lm.tokenizer.decode(new)})
+    return 0
+
+
+def model_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--model", default=None,
+                    help="a shipped model (smollm2-135m, the default; gemma3-270m), a .gguf file, or a "
+                         "folder with config.json + *.safetensors + tokenizer.json")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstreamd", description="Move LLM KV caches between hosts.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -213,19 +234,25 @@ def parser() -> argparse.ArgumentParser:
     talker("status", "a running daemon's status", _status)
     talker("contexts", "contexts a running daemon holds", _contexts).add_argument("--json", action="store_true")
     talker("peers", "a running daemon's peers", _peers)
-    for name, func, helptext in (("put", _put, "prefill a text file with SmolLM2 and store its KV"),
-                                 ("fetch", _fetch, "fetch a text file's KV from the cluster")):
+    for name, func, helptext in (("put", _put, "prefill a text file with the model and store its KV"),
+                                 ("fetch", _fetch, "fetch a text file's KV from the cluster"),
+                                 ("generate", _generate, "answer a text file with the model, reusing the "
+                                                         "longest prefix of it the cluster holds")):
         sp = talker(name, helptext, func)
         sp.add_argument("file")
         sp.add_argument("--tokens", type=int, default=0, help="only the first N tokens (0: all)")
+        model_option(sp)
         if name == "put":
             sp.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
         else:
             sp.add_argument("--deadline-ms", type=int, default=None)
+        if name == "generate":
+            sp.add_argument("--max-new-tokens", type=int, default=32)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print tables")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bc = bsub.add_parser("codec", help="size, quality and speed of every codec scheme on the real model")
+    model_option(bc)
     bc.add_argument("--tokens", type=int, default=3072)
     bc.add_argument("--contexts", type=int, default=3)
     bc.add_argument("--continuation", type=int, default=256)
@@ -236,6 +263,7 @@ def parser() -> argparse.ArgumentParser:
     bc.set_defaults(func=_bench_codec)
 
     bs = bsub.add_parser("stream", help="real chunks over a shaped link between two network namespaces")
+    model_option(bs)
     bs.add_argument("--bandwidth", nargs="+", default=["100mbit"], help="e.g. 20mbit 100mbit 500mbit")
     bs.add_argument("--tokens", type=int, default=4096)
     bs.add_argument("--runs", type=int, default=3, help="runs per method and bandwidth (the median is kept)")
@@ -247,6 +275,7 @@ def parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=_bench_stream)
 
     be = bsub.add_parser("e2e", help="TTFT on host b of a context stored on host a: recompute, fp16, int8, kvstreamd")
+    model_option(be)
     be.add_argument("--bandwidth", nargs="+", default=["100mbit"])
     be.add_argument("--tokens", nargs="+", type=int, default=[4096])
     be.add_argument("--runs", type=int, default=3, help="documents per token count (medians are reported)")
@@ -275,6 +304,7 @@ def parser() -> argparse.ArgumentParser:
     bg.set_defaults(func=_bench_gpu)
 
     demo = sub.add_parser("demo", help="two hosts, the real model: store a document on one, answer on the other")
+    model_option(demo)
     demo.add_argument("--bandwidth", default="100mbit")
     demo.add_argument("--tokens", type=int, default=4096)
     demo.add_argument("--deadline-ms", type=int, default=None, help="default: 500 ms per 1024 tokens")
@@ -293,6 +323,7 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--split", default="valid", help="WikiText-2 split to calibrate on (never test)")
     cal.add_argument("--contexts", type=int, default=4)
     cal.add_argument("--tokens", type=int, default=2048)
+    model_option(cal)
     cal.add_argument("--sensitivity-from", metavar="PROFILE",
                      help="reuse the sensitivity measured for an earlier profile of the same model")
     cal.set_defaults(func=_profile_calibrate)

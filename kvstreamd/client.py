@@ -31,7 +31,7 @@ from codec import layout
 from codec.layout import PrefixKV
 
 from . import events
-from .shm import Attached, Segment
+from .shm import Attached, Segment, ShmError
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -127,11 +127,18 @@ class _FetchState:
     def text_ranges(self) -> list[tuple[int, int]]:
         return [(e.start, e.end) for e in self.events if e.kind == "text"]
 
-    def _detach(self) -> str | None:
+    def _detach(self, unwinding: bool = False) -> str | None:
+        """Unmap the buffer; ShmError if the caller still holds views of it, except while an
+        exception leaves the fetch's block (`unwinding`): its traceback may hold the views, and
+        that exception is the one to see. The mapping then goes with the last view."""
         if self._att is None:
             return None
         name = self.start.buffer
-        self._att.release()  # ShmError if the caller still holds views of kv
+        try:
+            self._att.release()
+        except ShmError:
+            if not unwinding:
+                raise
         self._att = None
         return name
 
@@ -169,9 +176,9 @@ class Fetch(_FetchState):
             pass
         return self.end
 
-    def release(self) -> None:
+    def release(self, _unwinding: bool = False) -> None:
         """Unmap the buffer and tell the daemon it can go (views of kv must be dropped first)."""
-        name = self._detach()
+        name = self._detach(_unwinding)
         self._conn.close()
         if name:
             self._client._call("DELETE", f"/v1/buffers/{name}", ok_missing=True)
@@ -179,8 +186,8 @@ class Fetch(_FetchState):
     def __enter__(self) -> "Fetch":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.release(exc_type is not None)
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -341,8 +348,8 @@ class AsyncFetch(_FetchState):
             pass
         return self.end
 
-    async def release(self) -> None:
-        name = self._detach()
+    async def release(self, _unwinding: bool = False) -> None:
+        name = self._detach(_unwinding)
         self._resp.release()
         if name:
             await self._client._call("DELETE", f"/v1/buffers/{name}", ok_missing=True)
@@ -350,8 +357,8 @@ class AsyncFetch(_FetchState):
     async def __aenter__(self) -> "AsyncFetch":
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        await self.release()
+    async def __aexit__(self, exc_type, *exc) -> None:
+        await self.release(exc_type is not None)
 
 
 class AsyncClient:

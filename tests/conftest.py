@@ -62,8 +62,8 @@ def synthetic_daemon(root, name: str, profile: profiles.Profile, codec: dict | N
 async def inprocess(tmp_path, small_profile):
     """Daemons in this test's event loop (no subprocess, no root): `await inprocess(["a", "b"],
     codec={...})` starts one per name, each with its own store, API socket and peer port on
-    loopback, peered with the others, coding with the small synthetic profile. All are stopped
-    at the end."""
+    loopback, peered with the others, coding with the small synthetic profile (or the one given
+    as `profile=`). All are stopped at the end."""
     from kvstreamd import config as config_mod
     from kvstreamd.daemon import Daemon
     from kvstreamd.lab.daemons import DaemonProcess
@@ -72,8 +72,12 @@ async def inprocess(tmp_path, small_profile):
     small_profile.save(profile_path)
     started: list[Daemon] = []
 
-    async def start(names: list[str], **extra: dict) -> list[Daemon]:
-        codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(profile_path), **extra.pop("codec", {})}
+    async def start(names: list[str], profile: profiles.Profile | None = None, **extra: dict) -> list[Daemon]:
+        path = profile_path
+        if profile is not None:
+            path = tmp_path / f"{profile.id.hex()}.kvprofile"
+            profile.save(path)
+        codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(path), **extra.pop("codec", {})}
         nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": codec_cfg, **extra}) for n in names]
         daemons = []
         for n in nodes:

@@ -56,9 +56,9 @@ def _coder(name: str, profile):
 
 def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_tokens: int = 1024,
         schemes: list[str] | None = None, json_path: str | None = None, plot_path: str | None = None,
-        log=print) -> dict:
+        log=print, model: str | None = None) -> dict:
     schemes = schemes or SCHEMES
-    lm = models.load()
+    lm = models.load(model)
     profile = profiles.for_model(lm.model_id)
     cases = []
     for i, w in enumerate(corpus.windows(lm.tokenizer, "test", contexts, tokens + continuation + 1)):

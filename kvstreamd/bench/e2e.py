@@ -36,10 +36,6 @@ FETCH_LEVELS = {"fp16": ["fp16"], "int8": ["int8"], "kvstreamd": None}
 # no transfer here reaches (a fetch gives up on chunks not there by its deadline plus grace).
 BASELINE_DEADLINE_MS = 3_600_000
 STORED_LEVELS = ["high", "balanced", "fast", "int8", "fp16"]
-# SmolLM2-Instruct's chat format: the stored context is the opening of a user turn holding the
-# document; the prompt on host b adds the question and hands the turn to the assistant.
-HEAD = "<|im_start|>user\n"
-QUESTION = "\n\nIn one sentence, what is the text above about?<|im_end|>\n<|im_start|>assistant\n"
 CHUNK_TOKENS = 1024
 CONTINUATION = 256  # tokens of the document's continuation that Δppl is measured on
 GENERATE = 8  # tokens generated per answer (the first is what TTFT waits for)
@@ -129,12 +125,11 @@ def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int = 10
     return kv, len(tokens) / (time.perf_counter() - t0)
 
 
-def _quality(lm, kv: torch.Tensor | None, doc: list[int], cont: list[int], ref_ppl: float) -> float:
-    """Δppl % of the document's continuation on this KV of a prefix of `doc`."""
-    found = 0 if kv is None else kv.shape[2]
-    if found < len(doc):
-        _, kv = models.prefill(lm, doc[found:], kv, all_logits=False)
-    logits = models.continuation_logits(lm, kv, cont[:-1])
+def _quality(lm, kv, doc: list[int], cont: list[int], ref_ppl: float) -> float:
+    """Δppl % of the document's continuation on this KV (a PrefixKV) of a prefix of `doc`: the
+    rest of the document, if any, runs with the continuation."""
+    found = 0 if kv is None else kv.tokens
+    logits = models.continuation_logits(lm, kv, doc[found:] + cont[:-1])[len(doc) - found:]
     return (quality.perplexity(logits, torch.tensor(cont[1:])) / ref_ppl - 1) * 100
 
 
@@ -154,7 +149,7 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
                 log=print, chunk_tokens: int = CHUNK_TOKENS) -> list[dict]:
     """Store one document on host a, then answer the prompt on host b by every method at every
     bandwidth. Recompute does not touch the link: it is measured once and reported at each."""
-    question = lm.tokenizer.encode(QUESTION)
+    question = lm.tokenizer.encode(lm.spec.turn_close)
     prompt = doc + question
     kv_exact, prefill_tps = _prefill_with_progress(lm, doc, progress)
     ref_ppl = quality.perplexity(models.continuation_logits(lm, kv_exact, cont[:-1]), torch.tensor(cont[1:]))
@@ -226,18 +221,18 @@ def summarise(rows: list[dict]) -> list[dict]:
 def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadline_ms: int | None = None,
         methods: list[str] | None = None, trace: list[float] | None = None, trace_step_s: float = 0.5,
         json_path: str | None = None, plot_path: str | None = None, progress: bool = True, log=print,
-        chunk_tokens: int = CHUNK_TOKENS) -> dict:
+        chunk_tokens: int = CHUNK_TOKENS, model: str | None = None) -> dict:
     methods = methods or METHODS
     torch.set_num_threads(os.cpu_count() or 1)
-    lm = models.load()
+    lm = models.load(model)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvstreamd-e2e-") as tmp, hosts(Path(tmp), chunk_tokens) as (h, why_not):
         if why_not:
             log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
                 "unshaped, so --bandwidth has no effect")
         for tokens in token_counts:
-            question = len(lm.tokenizer.encode(QUESTION))
-            head = lm.tokenizer.encode(HEAD)
+            question = len(lm.tokenizer.encode(lm.spec.turn_close))
+            head = lm.tokenizer.document(lm.spec.turn_open)  # (BOS first, for a model that needs one)
             doc_len = min(tokens, lm.max_positions - question - GENERATE)  # the stored context, head included
             cont_len = min(CONTINUATION, lm.max_positions - doc_len - 1)
             text_len = doc_len - len(head)
@@ -251,7 +246,7 @@ def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadlin
                 rows += new
         report = {"model": lm.model_id, "shaped": h.shaped, "trace": trace,
                   "deadline_ms": deadline_ms or f"{DEADLINE_MS_PER_1K} per 1024 tokens", "chunk_tokens": chunk_tokens,
-                  "question": QUESTION, "generate": GENERATE, "results": summarise(rows), "runs": rows}
+                  "question": lm.spec.turn_close, "generate": GENERATE, "results": summarise(rows), "runs": rows}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=1))

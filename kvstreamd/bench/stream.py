@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transport import traces as tracegen
 
+from .. import models
 from ..lab import netns
 from . import stream_data
 from .stream_peer import METHODS
@@ -84,7 +85,8 @@ def _save(json_path: str | None, report: dict) -> None:
 
 def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms: int | None = None,
         trace_file: str | None = None, n_traces: int = 0, methods: list[str] | None = None,
-        trace_deadline_ms: int | None = None, json_path: str | None = None, log=print) -> dict:
+        trace_deadline_ms: int | None = None, json_path: str | None = None, log=print,
+        model: str | None = None) -> dict:
     ok, why = netns.available()
     if not ok:
         raise SystemExit(f"bench stream needs network namespaces: {why}")
@@ -93,10 +95,10 @@ def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms:
     # On traces (5-500 Mbit/s per chunk) a 0.5 s/chunk deadline is out of reach for every rule
     # on most traces; 1.5 s/chunk is where the choice of levels decides the outcome.
     trace_deadline_ms = trace_deadline_ms or tokens * 3 // 2
-    data_dir = Path("bench-out") / f"stream-{tokens}"
+    data_dir = Path("bench-out") / f"stream-{Path(model or models.DEFAULT).name}-{tokens}"
     if not (data_dir / "manifest.json").is_file():
         log(f"preparing {tokens}-token context chunks in {data_dir}")
-        stream_data.prepare(data_dir, tokens=tokens, log=log)
+        stream_data.prepare(data_dir, tokens=tokens, log=log, model=model)
     dppl = _dppl_table(Path("bench-out/codec.json"))
     results = []
     for bw in bandwidths:

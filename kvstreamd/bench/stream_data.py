@@ -31,11 +31,12 @@ def decode_level(pool: CodecPool, data: bytes, level: str) -> torch.Tensor:
     return pool.decode(data)
 
 
-def prepare(out_dir: str | Path, tokens: int = 4096, chunk_tokens: int = 1024, log=print) -> dict:
+def prepare(out_dir: str | Path, tokens: int = 4096, chunk_tokens: int = 1024, log=print,
+            model: str | None = None) -> dict:
     """Write chunk{i}.{level} files and manifest.json into out_dir; returns the manifest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lm = models.load()
+    lm = models.load(model)
     profile = profiles.for_model(lm.model_id)
     ids = corpus.windows(lm.tokenizer, "test", 1, tokens + 1)[0]
     kv = None
@@ -63,7 +64,7 @@ def prepare(out_dir: str | Path, tokens: int = 4096, chunk_tokens: int = 1024, l
             log(f"chunk {i}: recompute {recompute:.2f} s, bytes " +
                 ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in entry["bytes"].items()))
             chunks.append(entry)
-    manifest = {"model": lm.model_id, "tokens": tokens, "chunk_tokens": chunk_tokens, "levels": LEVELS,
+    manifest = {"model": lm.model_id, "model_name": lm.name, "tokens": tokens, "chunk_tokens": chunk_tokens, "levels": LEVELS,
                 "chunks": chunks}
     (out / "manifest.json").write_text(json.dumps(manifest))
     return manifest

@@ -101,7 +101,7 @@ async def fetch(args) -> None:
 
     manifest = json.loads((Path(args.dir) / "manifest.json").read_text())
     # Loaded before the clock starts: a serving host has its model loaded already.
-    lm = models.load() if args.method in ("text", "cachegen-rule", "adaptive") else None
+    lm = models.load(manifest.get("model_name")) if args.method in ("text", "cachegen-rule", "adaptive") else None
     _, levels = rule_and_levels(args.method)
     with CodecPool() as pool:
         loop = asyncio.get_running_loop()

@@ -62,6 +62,7 @@ class LoadedModel:
     layout: Layout  # which tokens each layer holds
     rotary: Rotary
     weights_dir: Path  # the folder the model was loaded from
+    spec: specs.ModelSpec | None = None
 
     @property
     def layer_windows(self) -> list[int | None]:
@@ -109,7 +110,7 @@ def load(model: str | Path | None = None, cache_dir: str | Path | None = None) -
         model=lm, tokenizer=tokenizer, model_id=mid, name=spec.name, num_layers=layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=head_dim,
         max_positions=cfg.max_position_embeddings, layout=Layout(tuple(layer_windows(cfg))),
-        rotary=rotary(lm, layers, head_dim), weights_dir=folder)
+        rotary=rotary(lm, layers, head_dim), weights_dir=folder, spec=spec)
 
 
 def _special_tokens(folder: Path, cfg) -> dict:

@@ -60,4 +60,8 @@ def tokenizer_json(gguf: Path, path: Path) -> dict:
     return {"bos": None, "eos": EOS_TOKEN}
 
 
-SPEC = ModelSpec("smollm2-135m", MODEL_NAME, gguf=gguf_path, tokenizer_json=tokenizer_json, install=INSTALL)
+# SmolLM2-Instruct's chat format: the stored context is the opening of a user turn holding the
+# document; the prompt adds the question and hands the turn to the assistant.
+SPEC = ModelSpec("smollm2-135m", MODEL_NAME, gguf=gguf_path, tokenizer_json=tokenizer_json, install=INSTALL,
+                 turn_open="<|im_start|>user\n",
+                 turn_close="\n\nIn one sentence, what is the text above about?<|im_end|>\n<|im_start|>assistant\n")

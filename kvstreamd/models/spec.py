@@ -20,6 +20,10 @@ class ModelSpec:
     folder: Path | None = None
     tokenizer_json: Callable[[Path, Path], dict] = weights.hf_tokenizer_json
     install: str = ""  # how a user gets the weights, said when they are missing
+    # How a document and a question about it make a prompt (demo, bench e2e): the stored
+    # context is turn_open + document, the prompt adds turn_close. A base model's by default.
+    turn_open: str = ""
+    turn_close: str = "\n\nQuestion: In one sentence, what is the text above about?\nAnswer:"
 
 
 def _shipped() -> dict[str, ModelSpec]:
