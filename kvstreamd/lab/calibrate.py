@@ -152,6 +152,7 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
               sensitivity: np.ndarray | None = None, log: Callable[[str], None] = print) -> profiles.Profile:
     """The whole calibration. `sensitivity` reuses an earlier measurement (the slow part)."""
     windows = corpus.windows(lm.tokenizer, split, contexts, tokens + continuation)
+    sensitivity_tokens = min(sensitivity_tokens, tokens)  # a short calibration measures on what it has
     samples, cases = [], []
     for i, w in enumerate(windows):
         log(f"prefill calibration context {i + 1}/{len(windows)} ({tokens} tokens)")
