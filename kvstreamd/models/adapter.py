@@ -231,7 +231,7 @@ def _check_kv(lm: LoadedModel, kv: torch.Tensor | PrefixKV) -> int:
         n = kv.shape[2] if kv.dim() == 5 else 0
     want = (lm.num_layers, 2, lm.num_kv_heads, lm.head_dim)
     if got != want:
-        raise ValueError(f"KV {got} does not fit {lm.model_id} ([{want[0]}, 2, T, {want[2]}, {want[3]}])")
+        raise ValueError(f"KV shape {got} does not fit {lm.model_id} ([{want[0]}, 2, T, {want[2]}, {want[3]}])")
     return n
 
 
