@@ -14,7 +14,7 @@ from kvstreamd.models.adapter import (
     model_id,
     prefill,
 )
-from kvstreamd.models.spec import DEFAULT, resolve, shipped_names
+from kvstreamd.models.registry import DEFAULT, resolve, shipped_names
 from kvstreamd.models.tokenizer import Tokenizer
 from kvstreamd.models.weights import cache_dir
 

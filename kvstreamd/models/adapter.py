@@ -25,8 +25,8 @@ import torch
 
 from codec.layout import Layout, PrefixKV
 
-from . import spec as specs
-from . import weights
+from . import registry, weights
+from .spec import ModelSpec
 from .tokenizer import Tokenizer
 
 # Both "eager" and "sdpa" make logits on an injected cache agree with one long pass to ~5e-5
@@ -62,20 +62,20 @@ class LoadedModel:
     layout: Layout  # which tokens each layer holds
     rotary: Rotary
     weights_dir: Path  # the folder the model was loaded from
-    spec: specs.ModelSpec | None = None
+    spec: ModelSpec | None = None
 
     @property
     def layer_windows(self) -> list[int | None]:
         return list(self.layout.windows)
 
 
-def _copy_dir(spec: specs.ModelSpec, mid: str, root: Path) -> Path:
+def _copy_dir(spec: ModelSpec, mid: str, root: Path) -> Path:
     return root / "models" / f"{mid.replace(':', '-')}-v{weights.COPY_FORMAT}"
 
 
 def model_id(model: str | Path | None = None, cache_dir: str | Path | None = None) -> str:
     """The name a KV cache of this model is filed under: its name + 16 hex of its weights' blake2b."""
-    spec = specs.resolve(model)
+    spec = registry.resolve(model)
     root = Path(cache_dir) if cache_dir is not None else weights.cache_dir()
     if spec.gguf is not None:
         files = [spec.gguf()]
@@ -90,7 +90,7 @@ def load(model: str | Path | None = None, cache_dir: str | Path | None = None) -
     plain copy in `cache_dir` (default: weights.cache_dir()) in about a second."""
     from transformers import AutoModelForCausalLM
 
-    spec = specs.resolve(model)
+    spec = registry.resolve(model)
     root = Path(cache_dir) if cache_dir is not None else weights.cache_dir()
     mid = model_id(model, root)
     if spec.gguf is not None:
