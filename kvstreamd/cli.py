@@ -67,7 +67,8 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
     report = e2e.run(_mbits(args.bandwidth), args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
                      methods=args.methods, trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000,
-                     json_path=args.json, plot_path=args.plot, progress=not args.quiet, model=args.model)
+                     json_path=args.json, plot_path=args.plot, progress=not args.quiet, model=args.model,
+                     chunk_tokens=args.chunk_tokens)
     print()
     print(e2e.table(report))
     print(f"\nJSON written to {args.json}")
@@ -283,6 +284,8 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--methods", nargs="+", default=None, choices=["recompute", "fp16", "int8", "kvstreamd"])
     be.add_argument("--trace", help="bandwidth trace: Mbit/s per line, one step each --trace-step-ms")
     be.add_argument("--trace-step-ms", type=int, default=500)
+    be.add_argument("--chunk-tokens", type=int, default=1024,
+                    help="the daemons' chunk size (a hybrid model's window moves in whole chunks)")
     be.add_argument("--json", default="bench-out/e2e.json")
     be.add_argument("--plot", default="bench-out/e2e.png")
     be.add_argument("--quiet", action="store_true", help="no progress bars")

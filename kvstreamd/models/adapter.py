@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,10 +198,17 @@ def cache_from_kv(kv: torch.Tensor | PrefixKV, dtype: torch.dtype | None = None,
     for layer in range(len(per_layer)):
         start, kvl = per_layer[layer]
         k, v = kvl[0].unsqueeze(0), kvl[1].unsqueeze(0)
-        if start:  # the tokens before the window: never read, but they count (positions, masks)
-            pad = torch.zeros((1, k.shape[1], start, k.shape[3]), dtype=k.dtype, device=k.device)
-            k, v = torch.cat([pad, k], 2), torch.cat([pad, v], 2)
         cache.update(k, v, layer)
+        if start:
+            # The tokens before the window are never read, but they count (positions, masks): a
+            # sliding layer (transformers' DynamicSlidingWindowLayer) is told how many it has
+            # seen; any other layer kind gets zeros in their place.
+            held = cache.layers[layer]
+            if getattr(held, "is_sliding", False) and hasattr(held, "cumulative_length"):
+                held.cumulative_length = start + k.shape[2]
+            else:
+                pad = torch.zeros((1, k.shape[1], start, k.shape[3]), dtype=k.dtype, device=k.device)
+                held.keys, held.values = torch.cat([pad, held.keys], 2), torch.cat([pad, held.values], 2)
     return cache
 
 
@@ -312,9 +320,11 @@ def continuation_logits(lm: LoadedModel, kv, tokens) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_greedy(lm: LoadedModel, kv, first_tokens, n: int) -> list[int]:
-    """Greedy-decode `n` tokens after running `first_tokens` (at least one) on top of `kv`.
-    Returns the new token ids only; it does not stop at eos."""
+def generate_greedy(lm: LoadedModel, kv, first_tokens, n: int, timings: dict | None = None) -> list[int]:
+    """Greedy-decode `n` tokens after running `first_tokens` (at least one) on top of `kv`, in
+    blocks (what bounds the memory of a long prompt's masks and logits). Returns the new token
+    ids only; it does not stop at eos. `timings["first_token_s"]`: from the call to the first."""
+    t0 = time.perf_counter()
     prior = 0 if kv is None else _check_kv(lm, kv)
     total = prior + torch.as_tensor(first_tokens).numel() + n - 1
     if total > lm.max_positions:
@@ -324,6 +334,8 @@ def generate_greedy(lm: LoadedModel, kv, first_tokens, n: int) -> list[int]:
     out: list[int] = []
     for _ in range(n):
         token = int(logits[-1].argmax())
+        if not out and timings is not None:
+            timings["first_token_s"] = time.perf_counter() - t0
         out.append(token)
         if len(out) == n:
             break
