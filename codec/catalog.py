@@ -3,7 +3,9 @@
 API and the sender's level choice all read this one table; a name missing here is not a level.
 
 Costs are measured on SmolLM2-135M-Instruct over WikiText-2 test.txt (docs/benchmarks.md,
-`kvstreamd bench codec`); the policy gets them as data (`dppl_table`), never from its own copy."""
+`kvstreamd bench codec`): the defaults. A profile carries its own model's measured costs
+(`meta["level_dppl"]`), which win for that model's chunks; the policy gets them as data
+(`dppl_table`), never from its own copy."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,9 +55,11 @@ def get(name: str) -> Scheme:
         raise ValueError(f"unknown level {name!r}; known: {', '.join(SCHEMES)}") from None
 
 
-def dppl_table(levels: Iterable[str]) -> dict[str, float]:
-    """level -> Δppl % for these levels plus TEXT (recompute is exact): what a rule weighs."""
-    return {**{lv: SCHEMES[lv].dppl for lv in levels if lv != TEXT}, TEXT: 0.0}
+def dppl_table(levels: Iterable[str], measured: dict[str, float] | None = None) -> dict[str, float]:
+    """level -> Δppl % for these levels plus TEXT (recompute is exact): what a rule weighs.
+    `measured`: a model's own figures (its profile's level_dppl), where it has them."""
+    own = measured or {}
+    return {**{lv: float(own.get(lv, SCHEMES[lv].dppl)) for lv in levels if lv != TEXT}, TEXT: 0.0}
 
 
 def decode_seconds(level: str, fp16_mb: float, receiver_mbps: float) -> float:

@@ -100,7 +100,7 @@ class Daemon:
         caps = {"levels": list(cfg.codec.levels), "decode_mbps": self.coder.decode_mbps,
                 "recompute_tokens_per_s": cfg.fetch.recompute_tokens_per_s, "version": __version__}
         self.peers = PeerManager(self.node_id, secret, cfg.peer, self.store, self.directory, self.metrics, caps,
-                                 cfg.fetch.recompute_tokens_per_s, lambda mid: self.coder.profile_for(mid).layout)
+                                 cfg.fetch.recompute_tokens_per_s, lambda mid: self.coder.profile_for(mid))
         try:
             await self.peers.start()
         except OSError as e:

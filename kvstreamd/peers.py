@@ -16,6 +16,7 @@ from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
 from codec import catalog, select_layers
 from codec.errors import CodecError
 from codec.layout import Layout
+from codec.profile import Profile
 from transport.policy import TEXT, adaptive_rule, fixed_rule
 from transport.send import send_chunks
 
@@ -46,7 +47,7 @@ class PeerState:
 class PeerManager:
     def __init__(self, node_id: str, secret: bytes, cfg: PeerConfig, store: Store, directory: Directory,
                  metrics: Metrics, caps: dict, recompute_tokens_per_s: float,
-                 layout_for: Callable[[str], Layout] | None = None) -> None:
+                 profile_for: Callable[[str], Profile] | None = None) -> None:
         self.node_id = node_id
         self.secret = secret
         self.cfg = cfg
@@ -55,7 +56,7 @@ class PeerManager:
         self.metrics = metrics
         self.caps = caps
         self.recompute_tokens_per_s = recompute_tokens_per_s
-        self.layout_for = layout_for  # model id -> which tokens each layer holds (its profile's)
+        self.profile_for = profile_for  # model id -> its profile (layer windows, measured costs)
         self.bandwidth = PeerBandwidth()
         self.server: aio.Server | None = None
         self.by_node: dict[str, set[aio.PeerConnection]] = {}
@@ -284,7 +285,7 @@ class PeerManager:
             rule = fixed_rule(coded[0])
             sizes = {coded[0]: sizes[coded[0]]}
         done = await send_chunks(served, sizes, lambda i, lv: payloads[i][lv], lambda i: list(recs[i].tokens),
-                                 rule, estimator, work, catalog.dppl_table(coded),
+                                 rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
                                  on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc(),
                                  count=held)
         if missing:
@@ -308,11 +309,18 @@ class PeerManager:
                 shares.append(len(layers) / r.shape[0])
         return payloads, shares
 
+    def _measured(self, model_id: str) -> dict | None:
+        """The model's own Δppl per level, from its profile (None: the catalog's defaults)."""
+        try:
+            return self.profile_for(model_id).meta.get("level_dppl") if self.profile_for else None
+        except CodecError:
+            return None
+
     def _layout(self, model_id: str) -> Layout | None:
-        if self.layout_for is None:
+        if self.profile_for is None:
             return None
         try:
-            layout = self.layout_for(model_id)
+            layout = self.profile_for(model_id).layout
         except CodecError:
             return None  # no profile here for it: every layer is sent
         return None if layout.is_dense else layout

@@ -176,4 +176,23 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     log("tuning level scales")
     prof.meta["level_scales"] = tune_levels(lm, prof, cases, log)
     prof._id = None
+    log("measuring each level's Δppl (the costs the sender's level choice weighs for this model)")
+    prof.meta["level_dppl"] = level_costs(lm, prof, cases, log)
+    prof._id = None
     return prof
+
+
+def level_costs(lm, profile, cases, log: Callable[[str], None] = print) -> dict[str, float]:
+    """Δppl % of the cases' continuations at each level (its tuned scale), against the exact
+    cache: what codec.catalog.dppl_table takes for this model in place of SmolLM2's figures."""
+    out = {}
+    for name in LADDER:
+        ratios = []
+        for kv, cont, ref in cases:
+            dec, _ = chunked_roundtrip(kv, name, profile)
+            target = torch.tensor(cont[1:])
+            exact = quality.perplexity(ref[:-1], target)
+            ratios.append(quality.perplexity(models.continuation_logits(lm, dec, cont)[:-1], target) / exact)
+        out[name] = round((float(np.mean(ratios)) - 1) * 100, 3)
+        log(f"  {name:9s} Δppl {out[name]:+.3f}%")
+    return out
