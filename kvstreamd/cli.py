@@ -88,6 +88,8 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _bench_scale(args: argparse.Namespace) -> int:
+    import functools
+
     from .bench import scale as bench
 
     try:
@@ -99,7 +101,7 @@ def _bench_scale(args: argparse.Namespace) -> int:
     report = bench.run(shapes, tokens, level=args.level, chunk_tokens=args.chunk_tokens, workers=args.workers,
                        per_token_shape=args.per_token_shape, fit_tokens=args.fit_tokens,
                        cache_profiles=not args.no_profile_cache, json_path=args.json,
-                       log=(lambda *a, **k: None) if args.quiet else print)
+                       log=(lambda *a, **k: None) if args.quiet else functools.partial(print, flush=True))
     print()
     print(bench.table(report))
     if args.json:
