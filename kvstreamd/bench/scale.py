@@ -247,11 +247,12 @@ class RepeatedKV:
         inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
         angle = s * inv_freq  # float64: s up to ~1e5 times frequencies near 1
         cos, sin = angle.cos().float(), angle.sin().float()
-        for layer in range(self.layers):  # one layer's keys at a time: small temporaries
-            x = src[layer, 0].float()
+        group = max(1, (32 << 20) // (tokens * self.heads * self.head_dim * 4))  # layers at once: small temporaries
+        for l0 in range(0, self.layers, group):
+            x = src[l0:l0 + group, 0].float()
             x1, x2 = x[..., :half], x[..., half:]
-            out[layer, 0, ..., :half] = x1 * cos - x2 * sin
-            out[layer, 0, ..., half:] = x2 * cos + x1 * sin
+            out[l0:l0 + group, 0, ..., :half] = x1 * cos - x2 * sin
+            out[l0:l0 + group, 0, ..., half:] = x2 * cos + x1 * sin
         return out
 
     def piece(self, start: int, stop: int) -> torch.Tensor:
