@@ -30,7 +30,8 @@ def test_bench_scale_puts_fetches_and_reports_its_floors(tmp_path, monkeypatch):
         assert r["chunks"] == -(-r["tokens"] // 256) and r["stored_chunks"] > 0
         assert 0 < r["stored_bytes"] < r["fp16_bytes"] and r["wire_bytes"] >= r["stored_bytes"] * 0.9
         assert r["max_rel_err"] < 0.2  # what was fetched is the context that was put
-        assert r["fetch_s"] > 0 and r["warmup_s"] > 0 and r["fetch_s_per_token"] == pytest.approx(r["fetch_s"] / r["tokens"], abs=6e-4 / r["tokens"])
+        assert r["fetch_s"] > 0 and r["warmup_s"] > 0
+        assert r["fetch_s_per_token"] == pytest.approx(r["fetch_s"] / r["tokens"], abs=6e-4 / r["tokens"])
         for phase in ("warmup", "put", "fetch"):
             for d in ("a", "b"):
                 peak = r["peak"][phase][d]
