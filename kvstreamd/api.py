@@ -10,8 +10,12 @@
     DELETE /v1/contexts/{key}        delete a context by its last chunk key (hex)
     GET    /v1/peers                 configured and connected peers
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer
-    POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype}; KV is read
-                                     from the shared-memory segment `buffer` the client made ->
+    POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype, start?}; KV is
+                                     read from the shared-memory segment `buffer` the client made
+                                     (with start, a multiple of chunk_tokens: the KV of
+                                     tokens[start:] only, the chunks before it held here already,
+                                     else 409 missing_prefix; how a long context is put piece by
+                                     piece) ->
                                      {keys, stored_chunks, already_held, placement, seconds}:
                                      placement per chunk "disk", "memory" (lost on a restart) or
                                      null. 507 disk_full/disk_error/store_full when a chunk could
@@ -65,7 +69,8 @@ class Node(Protocol):
     async def delete_context(self, key: bytes) -> int: ...
     def peer_info(self) -> list[dict]: ...
     def lookup(self, model_id: str, tokens: list[int]) -> dict: ...
-    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str) -> dict: ...
+    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
+                  start: int = 0) -> dict: ...
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]: ...
     def release_buffer(self, name: str) -> bool: ...
     def record_error(self, kind: str) -> None: ...
@@ -257,7 +262,8 @@ async def put(request: web.Request) -> web.Response:
     body = await _body(request)
     model_id, tokens, dtype = _model_id(body), _tokens(body), _dtype(body)
     name, shape = _field(body, "buffer", str), _shape(body)
-    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype))
+    start = _number(body, "start", int, 0, MAX_TOKENS) or 0
+    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start))
 
 
 async def fetch(request: web.Request) -> web.StreamResponse:

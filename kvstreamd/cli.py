@@ -89,6 +89,28 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_scale(args: argparse.Namespace) -> int:
+    import functools
+
+    from .bench import scale as bench
+
+    try:
+        shapes = [bench.parse_shape(s) for s in args.shapes]
+        tokens = bench.parse_tokens(args.tokens, [n for n, _ in shapes])
+    except ValueError as e:
+        print(f"kvstreamd bench scale: {e}", file=sys.stderr)
+        return 2
+    report = bench.run(shapes, tokens, level=args.level, chunk_tokens=args.chunk_tokens, workers=args.workers,
+                       per_token_shape=args.per_token_shape, fit_tokens=args.fit_tokens,
+                       cache_profiles=not args.no_profile_cache, json_path=args.json,
+                       log=(lambda *a, **k: None) if args.quiet else functools.partial(print, flush=True))
+    print()
+    print(bench.table(report))
+    if args.json:
+        print(f"\nJSON written to {args.json}")
+    return 0 if report["pass"] else 1
+
+
 def _profile_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -305,6 +327,25 @@ def parser() -> argparse.ArgumentParser:
     bg.add_argument("--json", default="bench-out/gpu.json")
     bg.add_argument("--quiet", action="store_true", help="no progress bars")
     bg.set_defaults(func=_bench_gpu)
+
+    bl = bsub.add_parser("scale", help="100K- and 32K-token synthetic contexts put on one daemon and fetched by "
+                                       "another: seconds, bytes, peak memory, seconds per token")
+    bl.add_argument("--shapes", nargs="+", default=["small:24x2x64", "llama8b:32x8x128"],
+                    help="NAME:LAYERSxKV_HEADSxHEAD_DIM each")
+    bl.add_argument("--tokens", nargs="+", default=None,
+                    help="NAME:N,N,... per shape, or counts for every shape (default: small 8192 32768 102400, "
+                         "llama8b 8192 32768)")
+    bl.add_argument("--level", default="high", choices=["high", "balanced", "fast"],
+                    help="the one level stored and fetched")
+    bl.add_argument("--chunk-tokens", type=int, default=1024)
+    bl.add_argument("--workers", type=int, default=0, help="codec workers per daemon (0: one per core)")
+    bl.add_argument("--per-token-shape", default=None, help="the shape whose seconds per token are compared "
+                                                            "(default: the first)")
+    bl.add_argument("--fit-tokens", type=int, default=None, help="calibration tokens (default: 2 x heads x head dim)")
+    bl.add_argument("--no-profile-cache", action="store_true", help="fit every profile afresh")
+    bl.add_argument("--json", default="bench-out/scale.json")
+    bl.add_argument("--quiet", action="store_true", help="no progress lines")
+    bl.set_defaults(func=_bench_scale)
 
     demo = sub.add_parser("demo", help="two hosts, the real model: store a document on one, answer on the other")
     model_option(demo)

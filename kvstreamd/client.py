@@ -17,6 +17,7 @@ codec.layout.PrefixKV) has the KV as each layer holds it, for every model; `f.kv
 `AsyncClient` has the same methods as coroutines (fetch is an async iterator)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -34,6 +35,9 @@ from . import events
 from .shm import Attached, Segment, ShmError
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# The most KV one put request hands over: a longer context goes as several requests of whole
+# chunks (POST /v1/contexts with `start`), so a put holds one piece's segment beyond kv itself.
+PUT_PIECE_BYTES = 256 * 2**20
 
 
 class ClientError(Exception):
@@ -252,12 +256,19 @@ class Client:
     def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
 
-    def put(self, model_id: str, tokens: list[int], kv: torch.Tensor) -> dict:
-        """Store (model_id, tokens) with its KV [L, 2, T, H, D]; the KV crosses in a shared-memory
-        segment made for the call and removed after it."""
-        body, seg = _put_segment(model_id, tokens, kv)
-        with seg:
-            return self._call("POST", "/v1/contexts", body)
+    def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0) -> dict:
+        """Store (model_id, tokens) with its KV [L, 2, T, H, D]; the KV crosses in shared-memory
+        segments made for the call and removed after it, one per request of at most
+        PUT_PIECE_BYTES (whole chunks; the reply sums them). `start`: kv is only the KV of
+        tokens[start:] (start a multiple of the daemon's chunk_tokens, the chunks before it put
+        already), for a caller that makes a long context's KV piece by piece."""
+        reply = None
+        ct = self.status()["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
+        for s, e, piece in _pieces(kv, len(tokens), start, ct):
+            body, seg = _put_segment(model_id, tokens[:e], piece, s)
+            with seg, _summing(reply):
+                reply = _summed(reply, self._call("POST", "/v1/contexts", body))
+        return reply
 
     def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
               dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
@@ -278,16 +289,59 @@ class Client:
         return Fetch(self, conn, resp)
 
 
-def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor) -> tuple[dict, Segment]:
+def _split(kv: torch.Tensor, tokens: int) -> bool:
+    """Whether a put of kv goes in pieces (then the client asks the daemon its chunk_tokens)."""
+    return kv.dim() == 5 and kv.shape[2] == tokens and kv.numel() * kv.element_size() > PUT_PIECE_BYTES
+
+
+def _pieces(kv: torch.Tensor, n_tokens: int, start: int, chunk_tokens: int) -> list[tuple[int, int, torch.Tensor]]:
+    """(s, e, kv of tokens s..e) for each of a put's requests: whole chunks of at most
+    PUT_PIECE_BYTES each (one chunk at least), or kv itself, start..n_tokens, when chunk_tokens
+    is 0 (no split)."""
+    if not chunk_tokens:
+        return [(start, n_tokens, kv)]
+    per_token = kv[:, :, :1].numel() * kv.element_size()
+    step = max(1, PUT_PIECE_BYTES // (per_token * chunk_tokens)) * chunk_tokens
+    return [(s, min(s + step, n_tokens), kv[:, :, s - start:s - start + step]) for s in range(start, n_tokens, step)]
+
+
+def _summed(reply: dict | None, r: dict) -> dict:
+    """r, the reply of a put's next request, with its counts and seconds added to the earlier
+    requests' (keys and placement are the whole context's in each)."""
+    if reply is not None:
+        for k in ("stored_chunks", "already_held", "seconds"):
+            r[k] = r.get(k, 0) + reply[k]
+    return r
+
+
+@contextlib.contextmanager
+def _summing(reply: dict | None):
+    """A 507's error.put (what that request stored where) gets the earlier requests' counts too."""
+    try:
+        yield
+    except ClientError as e:
+        if reply is not None and isinstance(e.detail.get("put"), dict):
+            _summed(reply, e.detail["put"])
+        raise
+
+
+def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0) -> tuple[dict, Segment]:
     if kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"KV dtype {kv.dtype} is not one of {list(DTYPE_NAMES)}")
     seg = Segment.create(kv.numel() * kv.element_size(), mode=0o640)
-    _share_with_daemon(seg.name)
-    view = seg.tensor(tuple(kv.shape), DTYPE_NAMES[kv.dtype])
-    view.copy_(kv)
-    del view
-    return ({"model_id": model_id, "tokens": list(map(int, tokens)), "buffer": seg.name, "shape": list(kv.shape),
-             "dtype": DTYPE_NAMES[kv.dtype]}, seg)
+    try:
+        _share_with_daemon(seg.name)
+        view = seg.tensor(tuple(kv.shape), DTYPE_NAMES[kv.dtype])
+        view.copy_(kv)
+        del view
+    except BaseException:
+        seg.close()
+        raise
+    body = {"model_id": model_id, "tokens": list(map(int, tokens)), "buffer": seg.name, "shape": list(kv.shape),
+            "dtype": DTYPE_NAMES[kv.dtype]}
+    if start:
+        body["start"] = int(start)
+    return body, seg
 
 
 def _share_with_daemon(name: str) -> None:
@@ -407,10 +461,14 @@ class AsyncClient:
     async def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return await self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
 
-    async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor) -> dict:
-        body, seg = _put_segment(model_id, tokens, kv)
-        with seg:
-            return await self._call("POST", "/v1/contexts", body)
+    async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0) -> dict:
+        reply = None
+        ct = (await self.status())["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
+        for s, e, piece in _pieces(kv, len(tokens), start, ct):
+            body, seg = _put_segment(model_id, tokens[:e], piece, s)
+            with seg, _summing(reply):
+                reply = _summed(reply, await self._call("POST", "/v1/contexts", body))
+        return reply
 
     async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
                     dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,

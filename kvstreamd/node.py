@@ -119,20 +119,34 @@ class Node:
 
     # -- put ---------------------------------------------------------------------------------
 
-    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str) -> dict:
-        """Store a context whose KV the client left in the shared-memory segment `buffer`."""
+    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
+                  start: int = 0) -> dict:
+        """Store a context whose KV the client left in the shared-memory segment `buffer`. With
+        `start` (a multiple of chunk_tokens, below len(tokens)) the segment holds only the KV of
+        tokens[start:], and the chunks before it must be held here already: a long context is
+        put piece by piece, so that no one request needs all of its KV in memory at once."""
         prof = self.profile_for(model_id)
-        want = (prof.layers, 2, len(tokens), prof.heads, prof.head_dim)
+        ct = self.cfg.codec.chunk_tokens
+        if start % ct or not 0 <= start < len(tokens):
+            raise RequestError(400, "bad_start", f"start {start} must be a multiple of chunk_tokens ({ct}) "
+                                                 f"below the {len(tokens)} tokens")
+        want = (prof.layers, 2, len(tokens) - start, prof.heads, prof.head_dim)
         if tuple(shape) != want:
             raise RequestError(400, "bad_shape", f"KV shape {list(shape)} is not [L, 2, T, H, D] = {list(want)} "
-                                                 f"for {model_id} and {len(tokens)} tokens")
+                                                 f"for {model_id} and tokens {start}..{len(tokens)}")
+        if start:
+            prefix = chunk_keys(model_id, tokens[:start], ct)
+            missing = next((i for i, k in enumerate(prefix) if not self.store.has(k)), None)
+            if missing is not None:
+                raise RequestError(409, "missing_prefix", f"chunk {missing} of the {len(prefix)} before start "
+                                                          f"{start} is not held here: put them first")
         try:  # read by copy, never mapped: the client may truncate it under us (shm trap 4)
             seg = SegmentReader.open(buffer, tuple(shape), dtype)
         except ShmError as e:
             raise RequestError(400, "bad_buffer", str(e)) from None
         t0 = time.perf_counter()
         try:
-            out = await self._put(model_id, tokens, seg, prof)
+            out = await self._put(model_id, tokens, seg, prof, start)
         except WorkerLost as e:
             raise RequestError(503, "codec_unavailable", f"encoding failed: {e}") from None
         except ShmError as e:  # the client shrank the segment mid-put; the chunks read before it are kept
@@ -157,16 +171,19 @@ class Node:
                                f"{_where(placement)}", {"put": reply})
         return reply
 
-    async def _put(self, model_id: str, tokens: list[int], kv: SegmentReader, prof: Profile) -> _PutOutcome:
+    async def _put(self, model_id: str, tokens: list[int], kv: SegmentReader, prof: Profile,
+                   start: int = 0) -> _PutOutcome:
         """Chunk, encode every level (in the codec pool), store, advertise. Chunks already held
         are skipped before any encoding. A chunk the store refuses ends the put (the chunks after
-        it could not be found without it)."""
+        it could not be found without it). kv holds tokens[start:] (start: a chunk boundary)."""
         ct = self.cfg.codec.chunk_tokens
         keys = chunk_keys(model_id, tokens, ct)
         dtype = str(kv.dtype).removeprefix("torch.")
         out = _PutOutcome()
         t0 = time.perf_counter()
         for i, key in enumerate(keys):
+            if i * ct < start:
+                continue
             if self.store.has(key):
                 out.held += 1
                 self.metrics.puts.labels("already_held").inc()
@@ -175,7 +192,7 @@ class Node:
                     out.disk_error = out.disk_error or (again.disk_error if again is not None else None)
                 continue
             s, e = i * ct, min((i + 1) * ct, len(tokens))
-            chunk = await asyncio.to_thread(kv.read, s, e, 2)  # kv[:, :, s:e], copied
+            chunk = await asyncio.to_thread(kv.read, s - start, e - start, 2)  # kv[:, :, s:e], copied
             payloads = {}
             for level in self.cfg.codec.levels:
                 payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
@@ -196,8 +213,8 @@ class Node:
             else:
                 out.held += 1
         self.metrics.encode_seconds.observe(time.perf_counter() - t0)
-        log.info("put %s: %d tokens, %d chunks stored, %d already held%s, %.2f s", model_id, len(tokens), out.stored,
-                 out.held, f", chunk {out.refused[0]} refused" if out.refused else "", time.perf_counter() - t0)
+        log.info("put %s: %d tokens from %d, %d chunks stored, %d already held%s, %.2f s", model_id, len(tokens),
+                 start, out.stored, out.held, f", chunk {out.refused[0]} refused" if out.refused else "", time.perf_counter() - t0)
         return out
 
     # -- fetch -------------------------------------------------------------------------------

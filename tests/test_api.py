@@ -507,3 +507,70 @@ async def test_a_socket_nobody_listens_on_is_unreachable(tmp_path):
     with pytest.raises(ClientError) as e:
         Client(path, timeout=5).health()
     assert e.value.code == "unreachable" and e.value.status is None
+
+
+# -- a long context put piece by piece (POST /v1/contexts with start) --------------------------------
+
+async def _fetched(c: AsyncClient, tokens: list[int]) -> torch.Tensor:
+    async with await c.fetch(MODEL, tokens, levels=["high"]) as f:
+        await f.wait()
+        return f.kv.clone()
+
+
+async def test_a_context_put_in_pieces_is_the_context_put_whole(inprocess):
+    a, b = await inprocess(["a", "b"])
+    tokens, kv = context(700)
+    async with client(a) as ca, client(b) as cb:
+        whole = await cb.put(MODEL, tokens, kv)
+        first = await ca.put(MODEL, tokens[:512], kv[:, :, :512])
+        rest = await ca.put(MODEL, tokens, kv[:, :, 512:], start=512)
+        assert (first["stored_chunks"], rest["stored_chunks"], rest["already_held"]) == (2, 1, 0)
+        assert rest["keys"] == whole["keys"] == keys_hex(tokens) and len(rest["placement"]) == 3
+        assert (await ca.lookup(MODEL, tokens))["local_tokens"] == 700
+        assert torch.equal(await _fetched(ca, tokens), await _fetched(cb, tokens))
+
+
+async def test_a_put_from_start_needs_a_chunk_boundary_and_the_chunks_before_it(inprocess):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(700)
+    async with client(a) as ca:
+        await ca.put(MODEL, tokens[:256], kv[:, :, :256])
+        for start, code in ((100, "bad_start"), (700, "bad_start"), (512, "missing_prefix")):
+            with pytest.raises(ClientError) as e:
+                await ca.put(MODEL, tokens, kv[:, :, start:], start=start)
+            assert e.value.code == code and e.value.status == (409 if code == "missing_prefix" else 400), start
+        with pytest.raises(ClientError) as e:
+            await ca.put(MODEL, tokens, kv, start=256)  # the KV of all 700 tokens, not of 256..700
+        assert e.value.code == "bad_shape"
+        assert (await ca.status())["store"]["chunks"] == 1
+    assert await error_of(a, "POST", "/v1/contexts", {"model_id": MODEL, "tokens": tokens, "buffer": "x",
+                                                      "shape": shape(700), "start": -256}) == (400, "bad_request")
+
+
+@pytest.mark.parametrize("sync", [False, True])
+async def test_a_put_larger_than_a_piece_goes_as_several_requests_of_whole_chunks(inprocess, monkeypatch, sync):
+    from kvstreamd import client as client_mod
+    a, b = await inprocess(["a", "b"])
+    tokens, kv = context(1100)
+    per_chunk = kv[:, :, :CHUNK].numel() * 2
+    monkeypatch.setattr(client_mod, "PUT_PIECE_BYTES", 2 * per_chunk + 1)  # two chunks a request
+    sent = []
+    real = client_mod._put_segment
+
+    def counted(model_id, toks, piece, start=0):
+        sent.append((start, len(toks), piece.shape[2]))
+        return real(model_id, toks, piece, start)
+
+    monkeypatch.setattr(client_mod, "_put_segment", counted)
+    async with client(a) as ca, client(b) as cb:
+        if sync:
+            reply = await asyncio.to_thread(Client(a.cfg.api.socket, timeout=60).put, MODEL, tokens, kv)
+        else:
+            reply = await ca.put(MODEL, tokens, kv)
+        assert sent == [(0, 512, 512), (512, 1024, 512), (1024, 1100, 76)]
+        assert (reply["stored_chunks"], reply["already_held"], reply["keys"]) == (5, 0, keys_hex(tokens))
+        monkeypatch.setattr(client_mod, "PUT_PIECE_BYTES", 2**40)
+        await cb.put(MODEL, tokens, kv)
+        assert torch.equal(await _fetched(ca, tokens), await _fetched(cb, tokens))
+        again = await ca.put(MODEL, tokens, kv)
+        assert (again["stored_chunks"], again["already_held"]) == (0, 5)
