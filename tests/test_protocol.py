@@ -302,7 +302,8 @@ def test_decoder_yields_frames_with_their_wire_size_across_splits():
 def test_every_message_round_trips_through_the_wire():
     msgs = [Hello(PROTO, "n", {"a": [1, 2.5, None, b"x"]}, b"\x01" * 32), Auth(b"p" * 32),
             Advertise([K]), Withdraw([K]), Fetch(3, KEYS, 500, ["high", "fast"], 250.0),
-            Fetch(4, KEYS, 500, [], None), Chunk.of(3, 1, "fast", b"abc"), Chunk.of(3, 1, "fast", b"abc", K),
+            Fetch(4, KEYS, 500, [], None), Fetch(5, KEYS, 500, ["high"], None, None, 16384),
+            Chunk.of(3, 1, "fast", b"abc"), Chunk.of(3, 1, "fast", b"abc", K),
             Text(3, 2, [1, 2]),
             Ack(3, 1, 99), End(3, "ok", True), Cancel(3), Error("x", "y"), Error("x", "y", 3),
             Ping(1.5), Ping(1.5, b"pad"), Pong(1.5)]
@@ -318,6 +319,7 @@ def test_every_message_round_trips_through_the_wire():
     ({"t": "FETCH", "req": "1", "keys": [K], "deadline_ms": 1, "levels": []}, "FETCH.req"),
     ({"t": "FETCH", "req": 1, "keys": [], "deadline_ms": 1, "levels": []}, "FETCH.keys"),
     ({"t": "FETCH", "req": 1, "keys": ["k"], "deadline_ms": 1, "levels": []}, "FETCH.keys: item 0"),
+    ({"t": "FETCH", "req": 1, "keys": [K], "deadline_ms": 1, "levels": [], "prefix_tokens": -5}, "FETCH.prefix_tokens"),
     ({"t": "CHUNK", "req": 1, "i": True, "level": "h", "payload": b"", "crc": 0}, "CHUNK.i"),
     ({"t": "END", "req": 1, "status": "ok", "deadline_missed": 0}, "END.deadline_missed"),
     ({"t": "PING", "t2": 1}, "missing field 'time'"),
