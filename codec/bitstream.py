@@ -77,6 +77,11 @@ def sink_rows(start: int, sink_tokens: int, tokens: int, transforms: int) -> int
     return min(max(0, sink_tokens - start), tokens) if transforms & SINK else 0
 
 
+def packed_size(layers: int, sink_bytes: int, substream_bytes: int, subset: bool) -> int:
+    """The size pack() gives a chunk of `layers` layers with these sections."""
+    return _FIXED.size + (2 * layers if subset else 0) + 8 * layers + 8 + 8 * layers + sink_bytes + substream_bytes + 4
+
+
 def pack(h: Header) -> bytes:
     transforms = h.transforms & ~LAYER_SUBSET | (LAYER_SUBSET if h.layer_ids is not None else 0)
     fixed = _FIXED.pack(MAGIC, VERSION, transforms, h.level, DTYPE_CODES[h.dtype], h.layers,

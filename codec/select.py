@@ -10,6 +10,22 @@ from . import baselines, bitstream as bs
 from .errors import CodecError
 
 
+def selected_size(data: bytes | memoryview, layers: tuple[int, ...]) -> int:
+    """The size select_layers(data, layers) will have, read from the header (exact for a chunk
+    bitstream; for a baseline frame, its size in proportion to the layers kept), without
+    building it: what a sender prices a level with before it chooses."""
+    if bytes(data[:4]) == bs.MAGIC:
+        h = bs.unpack(data, check_crc=False)
+        where = {layer: i for i, layer in enumerate(h.held_layers())}
+        rows = [where[x] for x in layers if x in where]
+        if len(rows) == h.layers:
+            return len(data)
+        subs = sum(len(h.substreams[2 * r + kv]) for r in rows for kv in range(2))
+        return bs.packed_size(len(rows), len(h.sink) // h.layers * len(rows), subs, subset=True)
+    _, shape, _ = baselines.header(data)
+    return len(data) * len(layers) // shape[0]
+
+
 def select_layers(data: bytes | memoryview, layers: tuple[int, ...]) -> bytes:
     """`data` (a chunk holding every layer of its profile) holding only `layers` (increasing)."""
     layers = tuple(int(x) for x in layers)

@@ -14,6 +14,7 @@ from transport import aio
 from transport.bandwidth import PeerBandwidth
 from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
 from codec import catalog, select_layers
+from codec.select import selected_size
 from codec.errors import CodecError
 from codec.layout import Layout
 from codec.profile import Profile
@@ -268,8 +269,10 @@ class PeerManager:
         recs = recs[:held]
         served.chunk_keys = [r.key for r in recs]  # each CHUNK says which chunk it is, from the record
         coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs)]
-        payloads, shares = await asyncio.to_thread(self._payloads, recs, coded, fetch.prefix_tokens)
-        sizes = {lv: [len(p[lv]) for p in payloads] for lv in coded}
+        cuts = self._cuts(recs, fetch.prefix_tokens)
+        sizes = {lv: [len(r.levels[lv]) if c is None else selected_size(r.levels[lv], c) for r, c in zip(recs, cuts)]
+                 for lv in coded}
+        shares = [1.0 if c is None else len(c) / r.shape[0] for r, c in zip(recs, cuts)]
         sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
         caps = served.peer.peer_caps or {}
         decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
@@ -284,7 +287,10 @@ class PeerManager:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
             rule = fixed_rule(coded[0])
             sizes = {coded[0]: sizes[coded[0]]}
-        done = await send_chunks(served, sizes, lambda i, lv: payloads[i][lv], lambda i: list(recs[i].tokens),
+        def payload(i: int, lv: str) -> bytes:  # cut when chosen: a baseline's cut decodes it
+            return recs[i].levels[lv] if cuts[i] is None else select_layers(recs[i].levels[lv], cuts[i])
+
+        done = await send_chunks(served, sizes, payload, lambda i: list(recs[i].tokens),
                                  rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
                                  on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc(),
                                  count=held)
@@ -292,22 +298,16 @@ class PeerManager:
             await served.fail(NOT_FOUND, missing)
         return done.coded_bytes, done.busy_s, estimator, done.sender, done.started
 
-    def _payloads(self, recs, coded: list[str], prefix_tokens: int | None) -> tuple[list[dict], list[float]]:
-        """Each chunk's payload per level, cut to the layers that read the first prefix_tokens
-        tokens (all of them where the fetcher did not say, or its model holds every token in
-        every layer), and the share of its layers each keeps. Off the loop: cutting a baseline
-        chunk decodes it."""
-        payloads, shares = [], []
+    def _cuts(self, recs, prefix_tokens: int | None) -> list[tuple[int, ...] | None]:
+        """Per chunk, the layers that read the first prefix_tokens tokens, where that is not
+        all of them (None: the chunk goes whole, as for a fetcher that did not say, or a model
+        whose layers all hold every token)."""
+        cuts = []
         for r in recs:
             layout = self._layout(r.model_id) if prefix_tokens is not None else None
             layers = layout.chunk_layers(r.start, r.start + len(r.tokens), prefix_tokens) if layout else None
-            if layers is None or len(layers) == r.shape[0]:
-                payloads.append({lv: r.levels[lv] for lv in coded})
-                shares.append(1.0)
-            else:
-                payloads.append({lv: select_layers(r.levels[lv], layers) for lv in coded})
-                shares.append(len(layers) / r.shape[0])
-        return payloads, shares
+            cuts.append(None if layers is None or len(layers) == r.shape[0] else layers)
+        return cuts
 
     def _measured(self, model_id: str) -> dict | None:
         """The model's own Δppl per level, from its profile (None: the catalog's defaults)."""

@@ -189,3 +189,17 @@ async def test_a_local_fetch_cuts_stored_chunks_to_the_window(inprocess, hybrid_
             with pytest.raises(ValueError, match="window"):
                 got.dense()
             del got
+
+
+@pytest.mark.parametrize("level", ["high", "cachegen-paper", "fp16", "int8"])
+def test_the_size_of_a_cut_is_known_before_it_is_made(hybrid_profile, level):
+    from codec import baselines, catalog
+    from codec.select import selected_size
+
+    kv = hybrid_kv(CHUNK, 9).half()
+    whole = (codec.encode(kv, level, hybrid_profile, start=0) if catalog.get(level).kind == "level"
+             else baselines.SCHEMES[level].encode(kv))
+    for layers in ((1, 3), (0,), (0, 1, 2, 3)):
+        size = selected_size(whole, layers)
+        got = len(codec.select_layers(whole, layers))
+        assert size == got if catalog.get(level).kind == "level" else abs(size - got) <= 64
