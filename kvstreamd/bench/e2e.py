@@ -26,13 +26,17 @@ from pathlib import Path
 
 import torch
 
+from codec.levels import LADDER
+
 from .. import models
 from ..lab import corpus, netns, quality
 from ..lab.daemons import DaemonProcess, wait_for
 from ..models.prefix import generate
 
 METHODS = ["recompute", "fp16", "int8", "kvstreamd"]
-FETCH_LEVELS = {"fp16": ["fp16"], "int8": ["int8"], "kvstreamd": None}
+# kvstreamd's own levels for kvstreamd (the hosts also store the baselines, to fetch those)
+FETCH_LEVELS = {"fp16": ["fp16"], "int8": ["int8"], "kvstreamd": list(LADDER)}
+BASELINES = ("fp16", "int8")
 # The fixed-level baselines move the whole context whatever it takes: their fetch gets a deadline
 # no transfer here reaches (a fetch gives up on chunks not there by its deadline plus grace).
 BASELINE_DEADLINE_MS = 3_600_000
@@ -181,7 +185,7 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
             with _bar(progress, (len(doc) + chunk_tokens - 1) // chunk_tokens, f"host b: {method} fetch", "chunk") as bar, \
                     trace_shaper(h, trace, trace_step_s):
                 new, reuse = generate(lm.model, prompt, client, lm.model_id, max_new_tokens=GENERATE,
-                                      deadline_ms=BASELINE_DEADLINE_MS if FETCH_LEVELS[method] else deadline_ms,
+                                      deadline_ms=BASELINE_DEADLINE_MS if method in BASELINES else deadline_ms,
                                       levels=FETCH_LEVELS[method],
                                       recompute_tokens_per_s=prefill_tps, on_chunk=lambda _e: bar.update(1),
                                       keep_kv=True)
