@@ -57,7 +57,8 @@ def text(split: str, kind: str = DEFAULT) -> str:
 
 
 def tokens(tokenizer, split: str, kind: str = DEFAULT) -> list[int]:
-    return tokenizer.encode(text(split, kind))
+    t = text(split, kind)  # a missing file or a bad name is said before any tokenizing
+    return tokenizer.encode(t)
 
 
 def fit(tokenizer, split: str, length: int, kind: str = DEFAULT) -> int:
