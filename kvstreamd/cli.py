@@ -12,11 +12,15 @@ def _bench_codec(args: argparse.Namespace) -> int:
 
     report = bench.run(tokens=args.tokens, contexts=args.contexts, continuation=args.continuation,
                        chunk_tokens=args.chunk_tokens, schemes=args.schemes, json_path=args.json,
-                       plot_path=args.plot)
-    print()
-    print(f"{report['model']}: {report['contexts']} x {report['tokens']}-token WikiText-2 test contexts, "
-          f"{report['continuation']} continuation tokens, exact-cache ppl {report['exact_ppl']:.3f}")
-    print(bench.table(report))
+                       plot_path=args.plot, texts=args.texts)
+    for kind, t in report["texts"].items():
+        print()
+        print(f"{report['model']}: {t['contexts']} x {report['tokens']}-token {kind} test contexts ({t['title']}), "
+              f"{report['continuation']} continuation tokens, exact-cache ppl {t['exact_ppl']:.3f}")
+        print(bench.table(report, kind))
+    if len(report["texts"]) > 1:
+        print("\nEach scheme on each kind of text (test splits):")
+        print(bench.texts_table(report))
     if args.json:
         print(f"\nJSON written to {args.json}")
     return 0
@@ -231,6 +235,8 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--continuation", type=int, default=256)
     bc.add_argument("--chunk-tokens", type=int, default=1024)
     bc.add_argument("--schemes", nargs="+", default=None, help="default: all")
+    bc.add_argument("--texts", nargs="+", default=None, metavar="KIND",
+                    help="kinds of text to measure on, their test splits (wikitext, legal, code; default: all)")
     bc.add_argument("--json", default="bench-out/codec.json")
     bc.add_argument("--plot", default="bench-out/codec_rate_quality.png")
     bc.set_defaults(func=_bench_codec)
