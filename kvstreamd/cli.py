@@ -102,7 +102,8 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
 
     lm = models.load()
     sens = Profile.load(args.sensitivity_from).tensors["sensitivity"] if args.sensitivity_from else None
-    prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens, sensitivity=sens)
+    prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens, sensitivity=sens,
+                               texts=args.texts or calibrate.TUNING_TEXTS)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
@@ -299,6 +300,8 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--split", default="valid", help="WikiText-2 split to calibrate on (never test)")
     cal.add_argument("--contexts", type=int, default=4)
     cal.add_argument("--tokens", type=int, default=2048)
+    cal.add_argument("--texts", nargs="+", default=None, metavar="KIND",
+                     help="kinds of text whose valid split the level scales are tuned on (default: all)")
     cal.add_argument("--sensitivity-from", metavar="PROFILE",
                      help="reuse the sensitivity measured for an earlier profile of the same model")
     cal.set_defaults(func=_profile_calibrate)

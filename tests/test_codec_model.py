@@ -48,8 +48,10 @@ def test_shipped_profile_matches_the_model(lm, shipped):
     assert "valid.txt" in shipped.meta["source"]  # never calibrated on the text we report on
 
 
-@pytest.mark.parametrize("level,max_bits,max_kl", [("high", 4.0, 0.004), ("balanced", 3.0, 0.01),
-                                                    ("fast", 1.9, 0.05)])
+# Sizes at 256-token chunks of one 600-token context, with the levels tuned to hold their KL
+# floors on every kind of text (docs/benchmarks.md: "On other kinds of text").
+@pytest.mark.parametrize("level,max_bits,max_kl", [("high", 4.0, 0.004), ("balanced", 3.3, 0.01),
+                                                    ("fast", 2.4, 0.05)])
 def test_each_level_keeps_predictions_close_at_its_size(lm, case, shipped, level, max_bits, max_kl):
     kv, cont, ref = case
     dec, bits = roundtrip(kv, level, shipped)
@@ -95,11 +97,15 @@ def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
 
 def test_calibration_makes_a_working_profile(lm, tmp_path):
     prof = calibrate.calibrate(lm, contexts=2, tokens=320, sensitivity_contexts=1, sensitivity_tokens=256,
-                               continuation=48, log=lambda _msg: None)
+                               continuation=48, tuning_contexts=1, tuning_tokens=256, tuning_continuation=32,
+                               log=lambda _msg: None)
     path = prof.save(tmp_path / "small.kvprofile")
     loaded = codec.Profile.load(path)
     assert loaded.id == prof.id
     assert (loaded.tensors["sensitivity"] > 0).all()
+    assert "level scales tuned on valid.txt of wikitext, legal, code" in loaded.meta["source"]
+    scales = loaded.meta["level_scales"]
+    assert scales["high"] < scales["balanced"] < scales["fast"]
     w = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
     _, kv = models.prefill(lm, w, all_logits=False)
     out = codec.decode(codec.encode(kv, "balanced", loaded), loaded)
@@ -125,7 +131,7 @@ def test_bench_codec_command_writes_its_json(tmp_path):
         for r in by.values():
             assert set(r) >= {"scheme", "bits_per_element", "ratio_vs_fp16", "ratio_vs_int8", "ppl", "ppl_delta_pct",
                               "top1_agreement", "kl", "encode_MBps", "decode_MBps"}
-        assert by["fp16"]["kl"] < 1e-4 and by["cachegen:fast"]["ratio_vs_fp16"] > 7
+        assert by["fp16"]["kl"] < 1e-4 and by["cachegen:fast"]["ratio_vs_fp16"] > 5
     assert report["texts"]["wikitext"]["exact_ppl"] != report["texts"]["legal"]["exact_ppl"]
     assert (tmp_path / "plot.png").stat().st_size > 1000
     assert "cachegen:fast" in proc.stdout and "legal test contexts" in proc.stdout
