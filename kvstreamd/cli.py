@@ -12,11 +12,15 @@ def _bench_codec(args: argparse.Namespace) -> int:
 
     report = bench.run(tokens=args.tokens, contexts=args.contexts, continuation=args.continuation,
                        chunk_tokens=args.chunk_tokens, schemes=args.schemes, json_path=args.json,
-                       plot_path=args.plot, model=args.model)
-    print()
-    print(f"{report['model']}: {report['contexts']} x {report['tokens']}-token WikiText-2 test contexts, "
-          f"{report['continuation']} continuation tokens, exact-cache ppl {report['exact_ppl']:.3f}")
-    print(bench.table(report))
+                       plot_path=args.plot, texts=args.texts, model=args.model)
+    for kind, t in report["texts"].items():
+        print()
+        print(f"{report['model']}: {t['contexts']} x {report['tokens']}-token {kind} test contexts ({t['title']}), "
+              f"{report['continuation']} continuation tokens, exact-cache ppl {t['exact_ppl']:.3f}")
+        print(bench.table(report, kind))
+    if len(report["texts"]) > 1:
+        print("\nEach scheme on each kind of text (test splits):")
+        print(bench.texts_table(report))
     if args.json:
         print(f"\nJSON written to {args.json}")
     return 0
@@ -122,7 +126,8 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
 
     lm = models.load(args.model)
     sens = Profile.load(args.sensitivity_from).tensors["sensitivity"] if args.sensitivity_from else None
-    prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens, sensitivity=sens)
+    prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens, sensitivity=sens,
+                               texts=args.texts or calibrate.TUNING_TEXTS)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
@@ -281,6 +286,8 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--continuation", type=int, default=256)
     bc.add_argument("--chunk-tokens", type=int, default=1024)
     bc.add_argument("--schemes", nargs="+", default=None, help="default: all")
+    bc.add_argument("--texts", nargs="+", default=None, metavar="KIND",
+                    help="kinds of text to measure on, their test splits (wikitext, legal, code; default: all)")
     bc.add_argument("--json", default="bench-out/codec.json")
     bc.add_argument("--plot", default="bench-out/codec_rate_quality.png")
     bc.set_defaults(func=_bench_codec)
@@ -368,6 +375,8 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--contexts", type=int, default=4)
     cal.add_argument("--tokens", type=int, default=2048)
     model_option(cal)
+    cal.add_argument("--texts", nargs="+", default=None, metavar="KIND",
+                     help="kinds of text whose valid split the level scales are tuned on (default: all)")
     cal.add_argument("--sensitivity-from", metavar="PROFILE",
                      help="reuse the sensitivity measured for an earlier profile of the same model")
     cal.set_defaults(func=_profile_calibrate)

@@ -95,11 +95,15 @@ def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
 
 def test_calibration_makes_a_working_profile(lm, tmp_path):
     prof = calibrate.calibrate(lm, contexts=2, tokens=320, sensitivity_contexts=1, sensitivity_tokens=256,
-                               continuation=48, log=lambda _msg: None)
+                               continuation=48, tuning_contexts=1, tuning_tokens=256, tuning_continuation=32,
+                               log=lambda _msg: None)
     path = prof.save(tmp_path / "small.kvprofile")
     loaded = codec.Profile.load(path)
     assert loaded.id == prof.id
     assert (loaded.tensors["sensitivity"] > 0).all()
+    assert "level scales tuned on valid.txt of wikitext, legal, code" in loaded.meta["source"]
+    scales = loaded.meta["level_scales"]
+    assert scales["high"] < scales["balanced"] < scales["fast"]
     w = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
     _, kv = models.prefill(lm, w, all_logits=False)
     out = codec.decode(codec.encode(kv, "balanced", loaded), loaded)
@@ -110,17 +114,23 @@ def test_bench_codec_command_writes_its_json(tmp_path):
     out = tmp_path / "codec.json"
     proc = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "bench", "codec", "--tokens", "384",
                            "--contexts", "1", "--continuation", "32", "--chunk-tokens", "256",
-                           "--schemes", "fp16", "int8", "cachegen:fast", "--json", str(out),
-                           "--plot", str(tmp_path / "plot.png")],
+                           "--schemes", "fp16", "int8", "cachegen:fast", "--texts", "wikitext", "legal",
+                           "--json", str(out), "--plot", str(tmp_path / "plot.png")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["tokens"] == 384 and report["contexts"] == 1
-    by = {r["scheme"]: r for r in report["results"]}
-    assert set(by) == {"fp16", "int8", "cachegen:fast"}
-    for r in by.values():
-        assert set(r) >= {"scheme", "bits_per_element", "ratio_vs_fp16", "ratio_vs_int8", "ppl", "ppl_delta_pct",
-                          "top1_agreement", "kl", "encode_MBps", "decode_MBps"}
-    assert by["fp16"]["kl"] < 1e-4 and by["cachegen:fast"]["ratio_vs_fp16"] > 8
+    assert report["text"] == "wikitext" and list(report["texts"]) == ["wikitext", "legal"]
+    assert report["results"] == report["texts"]["wikitext"]["results"]  # the top level: the first kind's
+    for kind, t in report["texts"].items():
+        assert t["split"] == "test" and t["contexts"] == 1 and t["exact_ppl"] > 1
+        by = {r["scheme"]: r for r in t["results"]}
+        assert set(by) == {"fp16", "int8", "cachegen:fast"}
+        for r in by.values():
+            assert set(r) >= {"scheme", "bits_per_element", "ratio_vs_fp16", "ratio_vs_int8", "ppl", "ppl_delta_pct",
+                              "top1_agreement", "kl", "encode_MBps", "decode_MBps"}
+        assert by["fp16"]["kl"] < 1e-4 and by["cachegen:fast"]["ratio_vs_fp16"] > 5
+    assert report["texts"]["wikitext"]["exact_ppl"] != report["texts"]["legal"]["exact_ppl"]
     assert (tmp_path / "plot.png").stat().st_size > 1000
-    assert "cachegen:fast" in proc.stdout
+    assert "cachegen:fast" in proc.stdout and "legal test contexts" in proc.stdout
+    assert "| scheme | wikitext: KL | Δppl | x fp16 | legal: KL" in proc.stdout

@@ -1,5 +1,6 @@
 """`kvstreamd bench codec`: size, quality and speed of every scheme on real KV caches of the
-real model, on WikiText-2 test.txt contexts taken from well-separated parts of the file.
+real model, on the held-out split (test.txt) of each kind of text (`kvstreamd.lab.corpus`:
+WikiText-2, licence texts, Python source), contexts taken from well-separated parts of the file.
 
 Quality is measured by running continuation tokens on top of the decompressed cache and
 comparing with the exact cache: perplexity, KL of next-token distributions, top-1 agreement.
@@ -54,87 +55,116 @@ def _coder(name: str, profile):
     return _Ours(name.split(":", 1)[-1], profile)
 
 
-def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_tokens: int = 1024,
-        schemes: list[str] | None = None, json_path: str | None = None, plot_path: str | None = None,
-        log=print, model: str | None = None) -> dict:
-    schemes = schemes or SCHEMES
-    lm = models.load(model)
-    profile = profiles.for_model(lm.model_id)
+def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, log) -> list:
+    """Up to `contexts` held-out contexts of the kind (fewer when its test.txt holds fewer)."""
+    length = tokens + continuation + 1
+    n = min(contexts, corpus.fit(lm.tokenizer, "test", length, kind))
+    if n < 1:
+        raise ValueError(f"{kind} test.txt holds fewer than {length} tokens")
+    if n < contexts:
+        log(f"{kind} test.txt holds {n} contexts of {length} tokens, not {contexts}: measuring {n}")
     cases = []
-    for i, w in enumerate(corpus.windows(lm.tokenizer, "test", contexts, tokens + continuation + 1)):
-        log(f"prefill test context {i + 1}/{contexts} ({tokens} tokens)")
+    for i, w in enumerate(corpus.windows(lm.tokenizer, "test", n, length, kind=kind)):
+        log(f"prefill {kind} test context {i + 1}/{n} ({tokens} tokens)")
         _, kv = models.prefill(lm, w[:tokens], all_logits=False)
         cont = w[tokens:]
         ref = models.continuation_logits(lm, kv, cont[:-1])
         cases.append((kv.to(torch.float16), cont, ref))
-    exact_ppl = statistics.mean(quality.perplexity(ref, torch.tensor(cont[1:])) for _, cont, ref in cases)
+    return cases
 
+
+def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: int, log) -> tuple[float, list[dict]]:
+    """(exact-cache perplexity, one row per scheme) over one kind's cases."""
+    exact_ppl = statistics.mean(quality.perplexity(ref, torch.tensor(cont[1:])) for _, cont, ref in cases)
     results = []
-    workers = os.cpu_count() or 1
-    with CodecPool(workers) as pool:
-        for name in schemes:
-            coder = _coder(name, profile)
-            nbytes = elements = 0
-            enc_rates, dec_rates, pool_enc, pool_dec = [], [], [], []
-            ppls, kls, top1 = [], [], []
-            for kv, cont, ref in cases:
-                parts, encoded = [], []
-                for start in range(0, kv.shape[2], chunk_tokens):
-                    chunk = kv[:, :, start:start + chunk_tokens].contiguous()
-                    mb = chunk.numel() * 2 / 1e6
-                    threads = torch.get_num_threads()
-                    torch.set_num_threads(1)  # per-core figures
-                    try:
-                        t0 = time.perf_counter()
-                        data = coder.encode(chunk, start)
-                        t1 = time.perf_counter()
-                        dec = coder.decode(data)
-                        t2 = time.perf_counter()
-                    finally:
-                        torch.set_num_threads(threads)
-                    enc_rates.append(mb / (t1 - t0))
-                    dec_rates.append(mb / (t2 - t1))
-                    if not torch.isfinite(dec).all() or dec.shape != chunk.shape:
-                        raise AssertionError(f"{name} decoded a wrong tensor")
-                    nbytes += len(data)
-                    elements += chunk.numel()
-                    parts.append(dec)
-                    encoded.append((chunk, start, data))
-                if isinstance(coder, _Ours):
-                    # All cores: the whole context through the pool, as a fetch's stages see it.
-                    mb = sum(c.numel() for c, _, _ in encoded) * 2 / 1e6
+    for name in schemes:
+        coder = _coder(name, profile)
+        nbytes = elements = 0
+        enc_rates, dec_rates, pool_enc, pool_dec = [], [], [], []
+        ppls, kls, top1 = [], [], []
+        for kv, cont, ref in cases:
+            parts, encoded = [], []
+            for start in range(0, kv.shape[2], chunk_tokens):
+                chunk = kv[:, :, start:start + chunk_tokens].contiguous()
+                mb = chunk.numel() * 2 / 1e6
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)  # per-core figures
+                try:
                     t0 = time.perf_counter()
-                    again = [pool.encode(c, coder.level, profile, start=s) for c, s, _ in encoded]
+                    data = coder.encode(chunk, start)
                     t1 = time.perf_counter()
-                    decoded = pool.decode_many(again, profile)
+                    dec = coder.decode(data)
                     t2 = time.perf_counter()
-                    if again != [d for _, _, d in encoded] or not all(torch.equal(a, b) for a, b in zip(decoded, parts)):
-                        raise AssertionError(f"{name}: the pool's result differs from the single-process codec")
-                    pool_enc.append(mb / (t1 - t0))
-                    pool_dec.append(mb / (t2 - t1))
-                logits = models.continuation_logits(lm, torch.cat(parts, 2), cont[:-1])
-                ppls.append(quality.perplexity(logits, torch.tensor(cont[1:])))
-                kls.append(quality.kl(ref, logits))
-                top1.append(quality.top1_agreement(ref, logits))
-            bits = nbytes * 8 / elements
-            ppl = statistics.mean(ppls)
-            r = {"scheme": name, "bits_per_element": round(bits, 4), "ratio_vs_fp16": round(16 / bits, 3),
-                 "ratio_vs_int8": None,  # filled in once int8's size is known
-                 "ppl": round(ppl, 4), "ppl_delta_pct": round(100 * (ppl / exact_ppl - 1), 3),
-                 "top1_agreement": round(statistics.mean(top1), 4), "kl": round(statistics.mean(kls), 6),
-                 "encode_MBps": round(statistics.median(enc_rates), 1),
-                 "decode_MBps": round(statistics.median(dec_rates), 1),
-                 "encode_MBps_all_cores": round(statistics.median(pool_enc), 1) if pool_enc else None,
-                 "decode_MBps_all_cores": round(statistics.median(pool_dec), 1) if pool_dec else None}
-            results.append(r)
-            log(f"  {name:18s} {bits:6.3f} bits/elem  x{16 / bits:5.2f}  dppl {r['ppl_delta_pct']:+.3f}%  "
-                f"KL {r['kl']:.5f}  top1 {r['top1_agreement']:.4f}  dec {r['decode_MBps']} MB/s")
+                finally:
+                    torch.set_num_threads(threads)
+                enc_rates.append(mb / (t1 - t0))
+                dec_rates.append(mb / (t2 - t1))
+                if not torch.isfinite(dec).all() or dec.shape != chunk.shape:
+                    raise AssertionError(f"{name} decoded a wrong tensor")
+                nbytes += len(data)
+                elements += chunk.numel()
+                parts.append(dec)
+                encoded.append((chunk, start, data))
+            if isinstance(coder, _Ours):
+                # All cores: the whole context through the pool, as a fetch's stages see it.
+                mb = sum(c.numel() for c, _, _ in encoded) * 2 / 1e6
+                t0 = time.perf_counter()
+                again = [pool.encode(c, coder.level, profile, start=s) for c, s, _ in encoded]
+                t1 = time.perf_counter()
+                decoded = pool.decode_many(again, profile)
+                t2 = time.perf_counter()
+                if again != [d for _, _, d in encoded] or not all(torch.equal(a, b) for a, b in zip(decoded, parts)):
+                    raise AssertionError(f"{name}: the pool's result differs from the single-process codec")
+                pool_enc.append(mb / (t1 - t0))
+                pool_dec.append(mb / (t2 - t1))
+            logits = models.continuation_logits(lm, torch.cat(parts, 2), cont[:-1])
+            ppls.append(quality.perplexity(logits, torch.tensor(cont[1:])))
+            kls.append(quality.kl(ref, logits))
+            top1.append(quality.top1_agreement(ref, logits))
+        bits = nbytes * 8 / elements
+        ppl = statistics.mean(ppls)
+        r = {"scheme": name, "bits_per_element": round(bits, 4), "ratio_vs_fp16": round(16 / bits, 3),
+             "ratio_vs_int8": None,  # filled in once int8's size is known
+             "ppl": round(ppl, 4), "ppl_delta_pct": round(100 * (ppl / exact_ppl - 1), 3),
+             "top1_agreement": round(statistics.mean(top1), 4), "kl": round(statistics.mean(kls), 6),
+             "encode_MBps": round(statistics.median(enc_rates), 1),
+             "decode_MBps": round(statistics.median(dec_rates), 1),
+             "encode_MBps_all_cores": round(statistics.median(pool_enc), 1) if pool_enc else None,
+             "decode_MBps_all_cores": round(statistics.median(pool_dec), 1) if pool_dec else None}
+        results.append(r)
+        log(f"  {name:18s} {bits:6.3f} bits/elem  x{16 / bits:5.2f}  dppl {r['ppl_delta_pct']:+.3f}%  "
+            f"KL {r['kl']:.5f}  top1 {r['top1_agreement']:.4f}  dec {r['decode_MBps']} MB/s")
     int8_bits = next((r["bits_per_element"] for r in results if r["scheme"] == "int8"), None)
     for r in results:
         r["ratio_vs_int8"] = round(int8_bits / r["bits_per_element"], 3) if int8_bits else None
+    return exact_ppl, results
+
+
+def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_tokens: int = 1024,
+        schemes: list[str] | None = None, json_path: str | None = None, plot_path: str | None = None,
+        texts: list[str] | None = None, log=print, model: str | None = None) -> dict:
+    """Every scheme on the held-out split (test.txt) of each kind of text (default: all kinds,
+    WikiText first). The report's top-level `exact_ppl` and `results` are the first kind's (as
+    before kinds existed); `texts` has every kind's."""
+    schemes = schemes or SCHEMES
+    texts = list(dict.fromkeys(texts or corpus.KINDS))
+    for kind in texts:
+        corpus.get(kind)
+    lm = models.load(model)
+    profile = profiles.for_model(lm.model_id)
+    per_text = {}
+    workers = os.cpu_count() or 1
+    with CodecPool(workers) as pool:
+        for kind in texts:
+            cases = _cases(lm, kind, tokens, contexts, continuation, log)
+            log(f"{kind}: {corpus.get(kind).title}")
+            exact_ppl, results = _measure(lm, profile, pool, schemes, cases, chunk_tokens, log)
+            per_text[kind] = {"title": corpus.get(kind).title, "split": "test", "contexts": len(cases),
+                              "exact_ppl": round(exact_ppl, 4), "results": results}
+    first = per_text[texts[0]]
     report = {"model": lm.model_id, "tokens": tokens, "contexts": contexts, "continuation": continuation,
-              "chunk_tokens": chunk_tokens, "exact_ppl": round(exact_ppl, 4), "workers": workers,
-              "results": results}
+              "chunk_tokens": chunk_tokens, "workers": workers, "text": texts[0],
+              "exact_ppl": first["exact_ppl"], "results": first["results"], "texts": per_text}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2))
@@ -143,15 +173,32 @@ def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_to
     return report
 
 
-def table(report: dict) -> str:
+def table(report: dict, kind: str | None = None) -> str:
+    """Every scheme's row on one kind of text (default: the report's first)."""
+    results = report["texts"][kind]["results"] if kind else report["results"]
     head = ("| scheme | bits/elem | x fp16 | x int8 | ppl | Δppl | top-1 | KL | enc MB/s/core | dec MB/s/core "
             "| enc MB/s all cores | dec MB/s all cores |")
     rows = [head, "|" + "---|" * 12]
-    for r in report["results"]:
+    for r in results:
+        x_int8 = f"{r['ratio_vs_int8']:.2f}" if r["ratio_vs_int8"] else "-"
         rows.append(f"| {r['scheme']} | {r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f} | "
-                    f"{r['ratio_vs_int8']:.2f} | {r['ppl']:.3f} | {r['ppl_delta_pct']:+.2f}% | "
+                    f"{x_int8} | {r['ppl']:.3f} | {r['ppl_delta_pct']:+.2f}% | "
                     f"{r['top1_agreement']:.4f} | {r['kl']:.5f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} | "
                     f"{r['encode_MBps_all_cores'] or '-'} | {r['decode_MBps_all_cores'] or '-'} |")
+    return "\n".join(rows)
+
+
+def texts_table(report: dict) -> str:
+    """Each scheme's KL, Δppl and size on each kind of text, side by side."""
+    kinds = list(report["texts"])
+    rows = ["| scheme | " + " | ".join(f"{k}: KL | Δppl | x fp16" for k in kinds) + " |",
+            "|---|" + "---|---|---|" * len(kinds)]
+    for i, r in enumerate(report["results"]):
+        cells = []
+        for k in kinds:
+            s = report["texts"][k]["results"][i]
+            cells.append(f"{s['kl']:.5f} | {s['ppl_delta_pct']:+.2f}% | {s['ratio_vs_fp16']:.2f}")
+        rows.append(f"| {r['scheme']} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -162,23 +209,35 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    first = report.get("text", "wikitext")
+    texts = report.get("texts") or {first: {"results": report["results"]}}  # a report from before kinds
     for i, r in enumerate(report["results"]):
+        if r["scheme"].startswith("cachegen:"):
+            continue  # drawn per kind of text below
         kl = max(r["kl"], 1e-6)  # lossless schemes sit on the floor of the log axis
-        ours = r["scheme"].startswith("cachegen:")
-        ax.scatter(r["bits_per_element"], kl, marker="o" if ours else "s", s=50,
-                   color="tab:blue" if ours else "tab:gray")
+        ax.scatter(r["bits_per_element"], kl, marker="s", s=50, color="tab:gray")
         label = r["scheme"] + (" (lossless)" if r["kl"] < 1e-6 else "")
         ax.annotate(label, (r["bits_per_element"], kl), textcoords="offset points",
                     xytext=(-40 if i % 2 else 5, 10 if i % 2 else 4), fontsize=8)
-    ours = sorted((r for r in report["results"] if r["scheme"].startswith("cachegen:")),
-                  key=lambda r: r["bits_per_element"])
-    ax.plot([r["bits_per_element"] for r in ours], [max(r["kl"], 1e-6) for r in ours], color="tab:blue", lw=1)
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+    for j, (kind, t) in enumerate(texts.items()):
+        ours = sorted((r for r in t["results"] if r["scheme"].startswith("cachegen:")),
+                      key=lambda r: r["bits_per_element"])
+        color = colors[j % len(colors)]
+        xs, ys = [r["bits_per_element"] for r in ours], [max(r["kl"], 1e-6) for r in ours]
+        ax.plot(xs, ys, color=color, lw=1, marker="o", label=f"kvstreamd levels, {kind}")
+        if kind == first:
+            for r in ours:
+                ax.annotate(r["scheme"], (r["bits_per_element"], max(r["kl"], 1e-6)), textcoords="offset points",
+                            xytext=(5, 4), fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("bits per KV element (everything the bitstream carries)")
     ax.set_ylabel("KL divergence vs exact cache (next token)")
-    ax.set_title(f"{report['model']}: rate vs quality, {report['contexts']} x {report['tokens']} tokens, "
-                 f"WikiText-2 test", fontsize=9)
+    kinds = ", ".join(texts)
+    ax.set_title(f"{report['model']}: rate vs quality\n{report['contexts']} x {report['tokens']} tokens, "
+                 f"test splits of {kinds}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

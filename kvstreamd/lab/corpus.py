@@ -1,11 +1,39 @@
-"""Benchmark and calibration text: WikiText-2 (valid.txt for tuning, test.txt for figures),
-cut into token windows taken from well-separated parts of the file."""
+"""Benchmark and calibration text, of several kinds: each kind is a folder holding valid.txt
+(for tuning) and test.txt (held out, for reported figures), cut into token windows taken from
+well-separated parts of the file. WikiText-2 is the reference kind; the others are text of
+another kind than encyclopaedia prose, so that what is tuned on one kind is checked on others.
+Each folder ships with the package, with a README giving its source, licence and sha256s."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parent / "wikitext-2"  # a copy ships with the package (README there)
+HERE = Path(__file__).resolve().parent
+SHIPPED = HERE / "wikitext-2"  # a copy ships with the package (README there)
+SPLITS = ("valid", "test")  # valid.txt: tuning; test.txt: reported figures only
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    title: str  # what the text is, for tables and logs
+    folder: Path  # the shipped copy
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("wikitext", "WikiText-2 (Wikipedia articles; CC BY-SA 3.0)", SHIPPED),
+    Kind("legal", "software licence agreements (GPL, MPL, Apache, ...; verbatim copying allowed)", HERE / "legal"),
+    Kind("code", "Python source (CPython 3.11 standard library; PSF License)", HERE / "code"),
+)}
+DEFAULT = "wikitext"
+
+
+def get(kind: str) -> Kind:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown text kind {kind!r}; known: {', '.join(KINDS)}") from None
 
 
 def wikitext_dir() -> Path:
@@ -17,12 +45,33 @@ def wikitext_dir() -> Path:
     return d
 
 
-def windows(tokenizer, split: str, count: int, length: int) -> list[list[int]]:
-    """`count` windows of `length` tokens, spread evenly over the split's file; for a model
+def kind_dir(kind: str = DEFAULT) -> Path:
+    """The folder of a kind's splits (for WikiText, $KVSTREAMD_DATA when set)."""
+    return wikitext_dir() if kind == "wikitext" else get(kind).folder
+
+
+def text(split: str, kind: str = DEFAULT) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    return (kind_dir(kind) / f"{split}.txt").read_text(encoding="utf-8")
+
+
+def tokens(tokenizer, split: str, kind: str = DEFAULT) -> list[int]:
+    t = text(split, kind)  # a missing file or a bad name is said before any tokenizing
+    return tokenizer.encode(t)
+
+
+def fit(tokenizer, split: str, length: int, kind: str = DEFAULT) -> int:
+    """How many windows of `length` tokens the split holds."""
+    return len(tokens(tokenizer, split, kind)) // length
+
+
+def windows(tokenizer, split: str, count: int, length: int, kind: str = DEFAULT) -> list[list[int]]:
+    """`count` windows of `length` tokens, spread evenly over the kind's split; for a model
     that needs a BOS, each window starts with it (as every context the model sees does)."""
-    ids = tokenizer.encode((wikitext_dir() / f"{split}.txt").read_text(encoding="utf-8"))
+    ids = tokens(tokenizer, split, kind)
     if len(ids) < count * length:
-        raise ValueError(f"{split}.txt has {len(ids)} tokens, fewer than {count} x {length}")
+        raise ValueError(f"{kind} {split}.txt has {len(ids)} tokens, fewer than {count} x {length}")
     stride = (len(ids) - length) // max(count - 1, 1) if count > 1 else 0
     bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
     return [bos + ids[i * stride:i * stride + length - len(bos)] for i in range(count)]
