@@ -277,7 +277,9 @@ class PeerManager:
         caps = served.peer.peer_caps or {}
         decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
         recompute_tps = float(fetch.recompute_tps or caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
-        fp16_mb = max(2 * _numel(r.shape) * share for r, share in zip(recs, shares)) / 1e6
+        # The rule prices every chunk alike: a hybrid model's chunks outside the window are a
+        # fraction of the window's, so their mean, not the largest, is what the plan costs.
+        fp16_mb = sum(2 * _numel(r.shape) * share for r, share in zip(recs, shares)) / len(recs) / 1e6
         work = {lv: catalog.decode_seconds(lv, fp16_mb, decode_mbps) for lv in coded}
         work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
         estimator = self.bandwidth.get(peer)
