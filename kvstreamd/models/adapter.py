@@ -70,7 +70,8 @@ class LoadedModel:
         return list(self.layout.windows)
 
 
-def _copy_dir(spec: ModelSpec, mid: str, root: Path) -> Path:
+def _copy_dir(mid: str, root: Path) -> Path:
+    """Where a GGUF's plain copy lives: one folder per model id and copy format."""
     return root / "models" / f"{mid.replace(':', '-')}-v{weights.COPY_FORMAT}"
 
 
@@ -95,7 +96,7 @@ def load(model: str | Path | None = None, cache_dir: str | Path | None = None) -
     root = Path(cache_dir) if cache_dir is not None else weights.cache_dir()
     mid = model_id(model, root)
     if spec.gguf is not None:
-        folder = _copy_dir(spec, mid, root)
+        folder = _copy_dir(mid, root)
         if not (folder / "model.safetensors").is_file():
             weights.convert_gguf(spec.gguf(), folder, spec.tokenizer_json)
     else:
