@@ -68,8 +68,9 @@ def test_repositioned_chunks_are_the_pool_chunk_turned_to_their_positions():
     src = kv.pool[1][:, :, :40].float()
     assert torch.equal(got[:, 1], src[:, 1].half().float())
     for layer in range(2):  # back to position 0, then on to i*64..: the pool chunk's keys at that place
-        at0 = rope.unrotate(src[layer, 0], 0, ROPE_THETA)
-        want = rope.rerotate(at0, i * 64, ROPE_THETA)
+        f = rope.default_inv_freq(ROPE_THETA, src.shape[-1])
+        at0 = rope.unrotate(src[layer, 0], 0, f)
+        want = rope.rerotate(at0, i * 64, f)
         assert torch.allclose(got[layer, 0], want, atol=2e-3 * float(want.abs().max()))
     piece = kv.piece(64 * 3, 64 * 5 + 10)
     assert torch.equal(piece[:, :, 64:128], kv.chunk(4, 64)) and piece.shape[2] == 138

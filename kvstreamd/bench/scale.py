@@ -45,7 +45,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from codec import profile as profiles
+from codec import profile as profiles, rope
 
 from .. import client as client_mod
 from ..lab.daemons import DaemonProcess, wait_for
@@ -244,7 +244,7 @@ class RepeatedKV:
         out[:, 1] = src[:, 1]
         s = i * self.chunk_tokens
         half = self.head_dim // 2
-        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        inv_freq = rope.default_inv_freq(ROPE_THETA, self.head_dim)
         angle = s * inv_freq  # float64: s up to ~1e5 times frequencies near 1
         cos, sin = angle.cos().float(), angle.sin().float()
         group = max(1, (32 << 20) // (tokens * self.heads * self.head_dim * 4))  # layers at once: small temporaries
