@@ -249,6 +249,7 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     from kvstreamd.coder import Coder
     from kvstreamd.directory import Directory
     from kvstreamd.metrics import Metrics
+    from codec.layout import PrefixKV
     from kvstreamd.pipeline import FetchJob, plan
     from kvstreamd.chunkfile import ChunkRecord
     from kvstreamd.keys import chunk_keys
@@ -271,7 +272,8 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     buffer = torch.zeros_like(kv)
     coder = Coder(1)
     try:
-        job = FetchJob(fetch_plan, p.model_id, tokens, 10_000, buffer, store, None, coder, Metrics(), ["high"])
+        job = FetchJob(fetch_plan, p.model_id, tokens, 10_000, PrefixKV.from_dense(buffer), store, None, coder,
+                       Metrics(), ["high"])
         job.stages = gpu.CudaStages(p, "cpu")
         events = []
 
