@@ -212,6 +212,8 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     weights = channel_weights(lm, [w[:tokens] for w in windows[:2]], sink_tokens)
     log("fitting PCA bases and symbol statistics")
     texts = tuple(texts)
+    # (a model with fewer positions tunes on the longest contexts it takes)
+    tuning_tokens = min(tuning_tokens, lm.max_positions - tuning_continuation - 1)
     prof = profiles.fit(samples, model_id=lm.model_id, inv_freq=lm.rotary.inv_freq,
                         unrotate_keys=lm.rotary.invertible, rope_info=lm.rotary.info,
                         layer_windows=lm.layer_windows, sensitivity=sensitivity, channel_weight=weights,
