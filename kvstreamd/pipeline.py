@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -327,14 +328,18 @@ class FetchJob:
         None for a model whose layers all hold every token."""
         return None if self.layout is None or self.layout.is_dense else self.plan.found_tokens
 
-    @property
+    @functools.cached_property
     def layout(self):
         return self.coder.profile_for(self.model_id).layout if self.buffer is not None else None
 
+    @functools.cached_property
+    def _chunk_layers(self) -> list[tuple[int, ...]]:
+        n = self.plan.found_tokens
+        return [self.layout.chunk_layers(s, e, n) for s, e in self.plan.bounds[:self.plan.found]]
+
     def _layers(self, i: int) -> tuple[int, ...]:
-        """The layers of chunk i this fetch moves."""
-        s, e = self.plan.bounds[i]
-        return self.layout.chunk_layers(s, e, self.plan.found_tokens)
+        """The layers of chunk i this fetch moves (worked out once per fetch)."""
+        return self._chunk_layers[i]
 
     def _check_shape(self, item: _Item) -> None:
         s, e = self.plan.bounds[item.i]
