@@ -257,21 +257,22 @@ class PeerManager:
 
     async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
         """Send the chunks, each at the level the adaptive rule picks; None if some are not held."""
-        # Chunks from the first one not held (evicted, or damaged on disk) are not sent: the held
-        # ones before it are, then NOT_FOUND names it, and the fetcher looks for it elsewhere.
+        # Chunks from the first one not held (evicted, or damaged on disk or in its header) are
+        # not sent: the held ones before it are, then NOT_FOUND names it, and the fetcher looks
+        # for it elsewhere.
         held = next((i for i, r in enumerate(recs) if r is None), len(recs))
+        cuts = self._cuts(recs[:held], fetch.prefix_tokens)
+        coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs[:held])]
+        sizes, held = _coded_sizes(recs[:held], cuts, coded)
         missing = f"chunk {held} ({fetch.keys[held].hex()[:16]}) is not held here" if held < len(recs) else None
         if missing:
             self.metrics.error("fetch_not_found")
         if held == 0:
             await served.fail(NOT_FOUND, missing)
             return None
-        recs = recs[:held]
+        recs, cuts = recs[:held], cuts[:held]
+        sizes = {lv: s[:held] for lv, s in sizes.items()}
         served.chunk_keys = [r.key for r in recs]  # each CHUNK says which chunk it is, from the record
-        coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs)]
-        cuts = self._cuts(recs, fetch.prefix_tokens)
-        sizes = {lv: [len(r.levels[lv]) if c is None else selected_size(r.levels[lv], c) for r, c in zip(recs, cuts)]
-                 for lv in coded}
         shares = [1.0 if c is None else len(c) / r.shape[0] for r, c in zip(recs, cuts)]
         sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
         caps = served.peer.peer_caps or {}
@@ -289,13 +290,23 @@ class PeerManager:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
             rule = fixed_rule(coded[0])
             sizes = {coded[0]: sizes[coded[0]]}
-        def payload(i: int, lv: str) -> bytes:  # cut when chosen: a baseline's cut decodes it
-            return recs[i].levels[lv] if cuts[i] is None else select_layers(recs[i].levels[lv], cuts[i])
+        def payload(i: int, lv: str) -> bytes | None:  # cut when chosen: a baseline's cut decodes it
+            if cuts[i] is None:
+                return recs[i].levels[lv]
+            try:
+                return select_layers(recs[i].levels[lv], cuts[i])
+            except CodecError as e:
+                log.warning("peer %s: req %d: chunk %d (%s) does not cut: %s", peer, served.req, i, lv, e)
+                return None
 
         done = await send_chunks(served, sizes, payload, lambda i: list(recs[i].tokens),
                                  rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
                                  on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc(),
                                  count=held)
+        if done.stopped_at is not None:
+            self.metrics.error("fetch_not_found")
+            i = done.stopped_at
+            missing = f"chunk {i} ({fetch.keys[i].hex()[:16]}) is damaged here"
         if missing:
             await served.fail(NOT_FOUND, missing)
         return done.coded_bytes, done.busy_s, estimator, done.sender, done.started
@@ -359,3 +370,18 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def _coded_sizes(recs, cuts, levels) -> tuple[dict[str, list[int]], int]:
+    """Each chunk's size at each level, for the chunks up to the first whose header does not
+    read, and how many those are."""
+    sizes = {lv: [] for lv in levels}
+    for i, (r, cut) in enumerate(zip(recs, cuts)):
+        try:
+            row = {lv: len(r.levels[lv]) if cut is None else selected_size(r.levels[lv], cut) for lv in levels}
+        except CodecError as e:
+            log.warning("chunk %s: header does not read: %s", r.key.hex()[:16], e)
+            return sizes, i
+        for lv, n in row.items():
+            sizes[lv].append(n)
+    return sizes, len(recs)

@@ -191,6 +191,39 @@ async def test_a_local_fetch_cuts_stored_chunks_to_the_window(inprocess, hybrid_
             del got
 
 
+async def test_a_chunk_that_does_not_cut_costs_only_itself(inprocess, hybrid_profile):
+    """A stored chunk damaged in memory (its CRC no longer matches) cannot be cut to the window's
+    layers: the holder sends the chunks before it, then NOT_FOUND for it alone, and the fetcher
+    takes it as TEXT and goes back to the same holder for the rest."""
+    import asyncio
+    import dataclasses
+
+    from kvstreamd.client import AsyncClient
+
+    a, b = await inprocess(["a", "b"], profile=hybrid_profile, codec={"levels": ["high"]})
+    tokens = list(range(3000, 4000))
+    kv = hybrid_kv(1000, 12)
+    async with AsyncClient(a.cfg.api.socket) as ca:
+        keys = [bytes.fromhex(k) for k in (await ca.put("synthetic-hybrid-model", tokens, kv))["keys"]]
+    rec = a.store.get(keys[1])  # outside the window: it is cut to layers 1, 3
+    bad = bytearray(rec.levels["high"])
+    bad[len(bad) // 2] ^= 0xFF
+    assert a.store.delete(keys[1])  # (a put of a key already held keeps the old record)
+    assert a.store.put(dataclasses.replace(rec, levels={"high": bytes(bad)}))
+    async with AsyncClient(b.cfg.api.socket) as cb:
+        for _ in range(100):
+            if (await cb.lookup("synthetic-hybrid-model", tokens))["found_tokens"] == 1000:
+                break
+            await asyncio.sleep(0.05)
+        f = await cb.fetch("synthetic-hybrid-model", tokens, deadline_ms=30_000)
+        async with f:
+            events = [ev async for ev in f]
+        assert [(e.kind, e.start) for e in events] == [("kv", 0), ("text", 256), ("kv", 512), ("kv", 768)], events
+        assert all(e.source == "a" for e in events if e.kind == "kv")
+        assert f.end.text_ranges == [[256, 512]]
+        assert (await cb.health())["status"] == "ok"
+
+
 @pytest.mark.parametrize("level", ["high", "cachegen-paper", "fp16", "int8"])
 def test_the_size_of_a_cut_is_known_before_it_is_made(hybrid_profile, level):
     from codec import baselines, catalog

@@ -23,11 +23,12 @@ class Sent:
     coded_bytes: int  # wire bytes of the CHUNK frames (TEXT frames not counted)
     busy_s: float  # summed send-to-ACK time of every chunk: how long the link was in use
     started: float  # loop time send_chunks() began, before any probe
-    deadline_missed: bool  # what END reported
+    deadline_missed: bool  # what END reported (False where it stopped short)
+    stopped_at: int | None = None  # the chunk it could not make (payload_of gave None); not ended
 
 
 async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
-                      payload_of: Callable[[int, str], bytes], text_of: Callable[[int], list[int]],
+                      payload_of: Callable[[int, str], bytes | None], text_of: Callable[[int], list[int]],
                       rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
                       dppl: Mapping[str, float], *,
                       on_sent: Callable[[int, str, int], None] | None = None,
@@ -42,6 +43,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     are what each level costs the fetcher in seconds and in quality. A peer whose link has
     no history (`estimator.needs_probe`) is probed first with a padded PING. Chunks go one at
     a time: the next is chosen once the last is acknowledged, from what its ACK taught.
+    `payload_of` returns None for a chunk it cannot make (damaged where it is kept): the loop
+    stops before it and leaves the request open, as with `count`, and says so in `stopped_at`.
     `before_send(i, level)` runs just before chunk i is written; `on_sent(i, level, nbytes)`
     once it is."""
     loop = asyncio.get_running_loop()
@@ -64,7 +67,10 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
         if level == TEXT:
             nbytes = await served.send_text(i, text_of(i))
         else:
-            nbytes = await served.send_chunk(i, level, payload_of(i, level))
+            payload = payload_of(i, level)
+            if payload is None:
+                return Sent(sender, coded, busy, started, False, stopped_at=i)
+            nbytes = await served.send_chunk(i, level, payload)
             coded += nbytes
         if on_sent is not None:
             on_sent(i, level, nbytes)
