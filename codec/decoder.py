@@ -188,13 +188,14 @@ class Decoder:
                 self._rope.popitem(last=False)
         return tables
 
-    def warm(self, level: str | levels.Level) -> None:
-        """Build what decoding `level` needs ahead of the first chunk."""
+    def warm(self, level: str | levels.Level, streams: range | None = None) -> None:
+        """Build what decoding `level` needs ahead of the first chunk (its entropy models for
+        `streams` only, where given: a pool worker's share)."""
         lv = levels.get(level)
         steps = lv.steps(self.profile)
         self.tables(steps, pca_bases=bool(lv.transforms & bs.PCA),
                     lane_models=bool(self.lanes is not None and lv.transforms & bs.RANS))
-        for s in range(2 * self.profile.layers):
+        for s in range(2 * self.profile.layers) if streams is None else streams:
             layer, kv = divmod(s, 2)
             step = float(steps[layer, kv])
             if lv.transforms & bs.DELTA:

@@ -40,15 +40,25 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(0)
 
 
-def _init_worker(profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -> None:
+def split(streams: int, workers: int) -> list[range]:
+    """Streams 0..streams in one consecutive run per worker: worker k always gets run k, so
+    the tables of a stream are built in one worker only."""
+    return [range(int(part[0]), int(part[-1]) + 1) for part in np.array_split(np.arange(streams), workers) if len(part)]
+
+
+def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     torch.set_num_threads(1)
     known = [profiles.register(Profile.load(p)) for p in profile_paths] + profiles.shipped()
-    # Any worker may get any substream, so each builds its decoders' tables up front rather
-    # than stalling the first chunks that reach it.
+    # Worker `index` gets run `index` of every chunk's streams: it builds the decoders' tables
+    # of those up front rather than stalling the first chunks that reach it, and no others
+    # (a Llama-3-8B-shaped stream's tables are ~11 MB; every worker holding all of them cost
+    # ~0.7 GB a worker, docs/benchmarks.md "bench scale").
     for prof in known:
-        for level in warm_levels:
-            decoder.for_profile(prof).warm(level)
+        runs = split(2 * prof.layers, workers)
+        if index < len(runs):
+            for level in warm_levels:
+                decoder.for_profile(prof).warm(level, runs[index])
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -177,6 +187,11 @@ def _encode_part(name: str, shape: tuple, dtype_code: int, level: str, profile_i
         shm.close()
 
 
+def _streams_with_tables(profile_id: bytes) -> list[int]:
+    profile = profiles.find(profile_id)
+    return sorted({2 * key[1] + key[2] for key in profile._models})
+
+
 class WorkerLost(RuntimeError):
     """A codec worker process died (killed, out of memory) under the same job twice: the job
     fails with this, naming how the worker died, and the pool has replaced its workers."""
@@ -184,13 +199,15 @@ class WorkerLost(RuntimeError):
 
 class CodecPool:
     """A pool of codec worker processes. `decode(data)` and `encode(kv, ...)` give the same
-    results as codec.decode / codec.encode, split across the workers by substream.
+    results as codec.decode / codec.encode, split across the workers by substream: worker k
+    always codes run k of a chunk's streams (split()), so each keeps the tables of its share
+    of the streams only. Each worker is a one-process executor of its own.
 
-    A worker that dies (the OOM killer, a stray SIGKILL) breaks a ProcessPoolExecutor for good,
-    so the pool replaces the executor: a watcher thread does it as soon as a worker dies, and a
-    job that saw it die is run once more on the new workers (coding is a pure function of the
-    job's segments, so a rerun gives the same bytes). `fault()` says why the pool is short of
-    workers while it is."""
+    A worker that dies (the OOM killer, a stray SIGKILL) breaks its ProcessPoolExecutor for
+    good, so the pool replaces the executors: a watcher thread does it as soon as a worker
+    dies, and a job that saw it die is run once more on the new workers (coding is a pure
+    function of the job's segments, so a rerun gives the same bytes). `fault()` says why the
+    pool is short of workers while it is."""
 
     def __init__(self, workers: int | None = None, profile_paths: tuple[str, ...] = (),
                  warm_levels: tuple[str, ...] = levels.LADDER):
@@ -203,28 +220,30 @@ class CodecPool:
         self._start_failed: str | None = None  # why the last replacement could not start workers
         self.restarts = 0  # times the workers were replaced
         self.last_loss: str | None = None  # how a worker last died
-        self._lost: tuple[cf.ProcessPoolExecutor, str] | None = None  # the last broken executor, and why
+        self._lost: tuple[list[cf.ProcessPoolExecutor], str] | None = None  # the last broken executors, and why
         self._pool = self._start()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="codec-pool-watch")
         self._watcher.start()
 
-    def _start(self) -> cf.ProcessPoolExecutor:
-        pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                      initargs=self._initargs)
+    def _start(self) -> list[cf.ProcessPoolExecutor]:
+        ctx = mp.get_context("spawn")
+        pools = [cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker,
+                                        initargs=(k, self.workers, *self._initargs)) for k in range(self.workers)]
         # Start the workers now (spawn + warm-up take seconds), not inside the first request.
         try:
-            for f in [pool.submit(os.getpid) for _ in range(self.workers)]:
+            for f in [pool.submit(os.getpid) for pool in pools]:
                 f.result()
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for pool in pools:
+                pool.shutdown(wait=False, cancel_futures=True)
             raise
-        return pool
+        return pools
 
     # -- worker deaths -----------------------------------------------------------------------
 
     def pids(self) -> list[int]:
         """The worker processes' pids."""
-        return list(self._pool._processes or ())
+        return [pid for pool in self._pool for pid in (pool._processes or ())]
 
     def fault(self) -> str | None:
         """Why the pool is short of workers now (one died and is being replaced, or new ones
@@ -232,17 +251,22 @@ class CodecPool:
         return self._replacing or self._start_failed or self._dead(self._pool)
 
     @staticmethod
-    def _dead(pool: cf.ProcessPoolExecutor) -> str | None:
-        """How a worker of `pool` died, or None while all live. The executor keeps its
-        processes in `_processes` (no public list); their sentinels are ready once they exited."""
-        procs = list((pool._processes or {}).values())
+    def _procs(pools: list[cf.ProcessPoolExecutor]) -> list:
+        # An executor keeps its processes in `_processes` (no public list).
+        return [p for pool in pools for p in list((pool._processes or {}).values())]
+
+    @classmethod
+    def _dead(cls, pools: list[cf.ProcessPoolExecutor]) -> str | None:
+        """How a worker of `pools` died, or None while all live (a process's sentinel is ready
+        once it exited)."""
+        procs = cls._procs(pools)
         try:
             gone = set(mp.connection.wait([p.sentinel for p in procs], timeout=0))
         except (OSError, ValueError):  # a process object closed under us: the pool is shutting down
             return None
         dead = [p for p in procs if p.sentinel in gone]
         if not dead:
-            return "the codec worker processes were lost" if pool._broken else None
+            return "the codec worker processes were lost" if any(pool._broken for pool in pools) else None
         # A broken executor SIGTERMs the workers still alive: name the one that died first.
         dead.sort(key=lambda p: p.exitcode == -signal.SIGTERM)
         p = dead[0]
@@ -262,7 +286,7 @@ class CodecPool:
         while not self._closed:
             pool = self._pool
             try:
-                mp.connection.wait([p.sentinel for p in list((pool._processes or {}).values())], timeout=1.0)
+                mp.connection.wait([p.sentinel for p in self._procs(pool)], timeout=1.0)
             except (OSError, ValueError):
                 time.sleep(0.1)
             if self._closed or cf.process._global_shutdown:  # workers go with the interpreter
@@ -276,8 +300,8 @@ class CodecPool:
                 time.sleep(backoff)
                 backoff = min(2 * backoff, 30.0)
 
-    def _replace(self, broken: cf.ProcessPoolExecutor, why: str) -> bool:
-        """New workers for a broken executor (once, whoever notices first); False if they
+    def _replace(self, broken: list[cf.ProcessPoolExecutor], why: str) -> bool:
+        """New workers for broken executors (once, whoever notices first); False if they
         could not be started (the next attempt is the watcher's)."""
         with self._lock:
             if self._pool is not broken or self._closed:
@@ -285,7 +309,8 @@ class CodecPool:
             self._replacing = why
             self._lost = (broken, why)
             log.warning("%s; starting new codec workers", why)
-            broken.shutdown(wait=False, cancel_futures=True)
+            for pool in broken:
+                pool.shutdown(wait=False, cancel_futures=True)
             t0 = time.monotonic()
             try:
                 self._pool = self._start()
@@ -302,12 +327,12 @@ class CodecPool:
             return True
 
     def _run(self, jobs: list[tuple]) -> list:
-        """[fn(*args) for (fn, *args) in jobs], in the workers. A worker that dies under them
-        costs one rerun on new workers; dying again raises WorkerLost, saying how it died."""
+        """[fn(*args) for (worker, fn, *args) in jobs], each in its worker. A worker that dies
+        under them costs one rerun on new workers; dying again raises WorkerLost, saying how."""
         for attempt in (1, 2):
             pool, futures = self._pool, []
             try:
-                futures = [pool.submit(*job) for job in jobs]
+                futures = [pool[k].submit(*job) for k, *job in jobs]
                 return [f.result() for f in futures]
             except BrokenProcessPool as e:
                 cf.wait(futures)
@@ -323,9 +348,9 @@ class CodecPool:
                 raise
         raise AssertionError("unreachable")
 
-    def _split(self, n: int) -> list[range]:
-        """Streams 0..n in one consecutive run per worker."""
-        return [range(int(part[0]), int(part[-1]) + 1) for part in np.array_split(np.arange(n), self.workers) if len(part)]
+    def streams_with_tables(self, profile: Profile) -> list[list[int]]:
+        """Per worker, the streams of `profile` it has built entropy models for."""
+        return self._run([(k, _streams_with_tables, profile.id) for k in range(self.workers)])
 
     def decode(self, data: bytes | memoryview, profile: Profile | None = None) -> torch.Tensor:
         return self.decode_many([data], profile)[0]
@@ -341,7 +366,8 @@ class CodecPool:
                 name, mm = self._arena.take(out_bytes + len(data))
                 taken.append((name, mm, out_bytes))
                 mm[out_bytes:out_bytes + len(data)] = data
-                jobs += [(_decode_part, name, len(mm), out_bytes, len(data), part) for part in self._split(2 * h.layers)]
+                jobs += [(k, _decode_part, name, len(mm), out_bytes, len(data), run)
+                         for k, run in enumerate(split(2 * h.layers, self.workers))]
             self._run(jobs)  # a failed chunk: _run lets the others finish before the segments are reused
         except BaseException:
             for name, mm, _ in taken:
@@ -373,8 +399,9 @@ class CodecPool:
             L, _, T, H, D = kv.shape
             transforms = cachegen.transforms_for(lv, profile)
             ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
-            subs = [s for part in self._run([(_encode_part, shm.name, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
-                                              lv.name, profile.id, start, ns, part) for part in self._split(2 * L)])
+            subs = [s for part in self._run([(k, _encode_part, shm.name, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
+                                              lv.name, profile.id, start, ns, run)
+                                             for k, run in enumerate(split(2 * L, self.workers))])
                     for s in part]
         finally:
             shm.close()
@@ -387,7 +414,8 @@ class CodecPool:
     def close(self) -> None:
         self._closed = True  # before the workers go: the watcher must not replace them
         with self._lock:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            for pool in self._pool:
+                pool.shutdown(wait=True, cancel_futures=True)
         self._arena.close()
 
     def __enter__(self) -> "CodecPool":

@@ -304,13 +304,27 @@ def test_a_killed_worker_is_replaced_and_the_next_calls_succeed(small_profile):
         assert pool.encode(kv, "balanced", small_profile, start=0) == data
 
 
+def test_each_worker_keeps_the_tables_of_its_share_of_the_streams(small_profile):
+    """Worker k codes run k of every chunk's streams, so it builds (at warm-up and after) the
+    entropy models of those streams only: a large model's tables are not in every worker."""
+    from codec.parallel import split
+    kv = synthetic_kv(64, 7).to(torch.float16)
+    data = codec.encode(kv, "high", small_profile, start=0)
+    with CodecPool(2, profile_paths=(small_profile.path,), warm_levels=("high",)) as pool:
+        runs = [list(r) for r in split(2 * small_profile.layers, 2)]
+        assert pool.streams_with_tables(small_profile) == runs
+        for _ in range(3):
+            assert torch.equal(pool.decode(data), codec.decode(data))
+        assert pool.streams_with_tables(small_profile) == runs
+
+
 def test_a_call_whose_worker_is_killed_under_it_runs_again_on_new_workers(small_profile):
     import signal
     import threading
     import time
     with CodecPool(1, profile_paths=(small_profile.path,), warm_levels=()) as pool:
         victim, out = pool.pids()[0], []
-        t = threading.Thread(target=lambda: out.append(pool._run([(time.sleep, 1.0)])))
+        t = threading.Thread(target=lambda: out.append(pool._run([(0, time.sleep, 1.0)])))
         t.start()
         time.sleep(0.3)  # the sleep is running in the worker
         os.kill(victim, signal.SIGKILL)
@@ -324,6 +338,6 @@ def test_a_call_that_kills_its_worker_twice_fails_naming_how_and_the_pool_lives_
     data = codec.encode(kv, "fast", small_profile, start=0)
     with CodecPool(1, profile_paths=(small_profile.path,), warm_levels=()) as pool:
         with pytest.raises(WorkerLost, match=r"codec worker process \d+ exited with status 3, twice"):
-            pool._run([(os._exit, 3)])
+            pool._run([(0, os._exit, 3)])
         _replaced(pool, 2)
         assert torch.equal(pool.decode(data), codec.decode(data))
