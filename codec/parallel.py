@@ -20,12 +20,14 @@ import threading
 import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 
 from . import bitstream as bs, cachegen, decoder, levels, profile as profiles
+from .errors import CodecError
 from .profile import Profile
 
 log = logging.getLogger("codec.parallel")
@@ -117,6 +119,51 @@ def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: r
     out = torch.frombuffer(mm, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
     decoder.for_profile(profile).decode_streams(h, streams, out)
     del out, h
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a decode writes its chunk: a [L, 2, T, H, D] view into a named shared-memory
+    segment (the fetch buffer the model process maps), so the workers write the KV where it
+    is read and nothing is copied after them. Each (layer, K/V) plane of the view must be
+    contiguous: a token range of a [L, 2, T_all, H, D] buffer is."""
+
+    segment: str
+    size: int  # the segment's bytes
+    offset: int  # bytes from the segment's start to the view's first element
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str
+
+    @classmethod
+    def of(cls, view: torch.Tensor, segment: str, base: torch.Tensor) -> "Destination":
+        """`view` of `base`, the whole segment `segment` as one tensor."""
+        if view.dim() != 5 or view.stride(4) != 1 or view.stride(3) != view.shape[4] or \
+                view.stride(2) != view.shape[3] * view.shape[4] or view.stride(0) != 2 * view.stride(1):
+            raise ValueError(f"a destination needs contiguous (layer, K/V) planes, not strides {view.stride()}")
+        offset = view.data_ptr() - base.data_ptr()
+        size = base.numel() * base.element_size()
+        if offset < 0 or offset + view.stride(0) * (view.shape[0] - 1) * view.element_size() > size:
+            raise ValueError("the view does not lie in the segment")
+        return cls(segment, size, offset, tuple(view.shape), tuple(view.stride()), str(view.dtype).removeprefix("torch."))
+
+
+def _decode_into(dest: Destination, name: str, size: int, data_len: int, streams: range) -> None:
+    mm = _worker_map(name, size)
+    h, profile = decoder.read(memoryview(mm)[:data_len], check_crc=False)  # checked by decode_into
+    # The destination is mapped for this job only: a worker that kept it would keep the fetch
+    # buffer's memory alive after the daemon and the model process have let it go.
+    _, out_mm = _segment(dest.size, dest.segment)
+    try:
+        base = torch.frombuffer(out_mm, dtype=getattr(torch, dest.dtype))
+        out = base.as_strided(dest.shape, dest.strides, dest.offset // base.element_size())
+        decoder.for_profile(profile).decode_streams(h, streams, out)
+        del out, base, h
+    finally:
+        try:
+            out_mm.close()
+        except BufferError:  # a view outlived the job (an exception's traceback): closed when it goes
+            pass
 
 
 class _Arena:
@@ -383,6 +430,34 @@ class CodecPool:
             decoder.fill_sink(h, out)
             results.append(out)
         return results
+
+    def decode_into(self, data: bytes | memoryview, out: torch.Tensor, segment: str, base: torch.Tensor,
+                    profile: Profile | None = None) -> None:
+        """Decode one chunk into `out`, a view of `base` (the whole shared-memory segment
+        `segment` as one tensor) shaped as the chunk: the workers write there directly, and
+        nothing is copied after them. The values are decode()'s, in out's dtype. CodecError, before any write, for a chunk that does not decode or is not of out's shape."""
+        h = decoder.read(data, profile)[0]
+        if tuple(h.shape) != tuple(out.shape):
+            raise CodecError(f"chunk is {list(h.shape)}, its destination {list(out.shape)}")
+        if h.dtype not in (out.dtype, torch.float32):
+            # The decoder computes in float32: written straight into a wider buffer, a chunk
+            # of fp16 would skip its own rounding, and decode() rounds to the chunk's dtype.
+            out.copy_(self.decode_many([data], profile)[0])
+            return
+        dest = Destination.of(out, segment, base)
+        name, mm = self._arena.take(len(data))
+        try:
+            mm[:len(data)] = data
+            self._run([(k, _decode_into, dest, name, len(mm), len(data), run)
+                       for k, run in enumerate(split(2 * h.layers, self.workers))])
+        except FileNotFoundError:
+            # The segment's name is gone (its owner let it go mid-fetch) but out's mapping is
+            # still good: decode as decode() does and copy, as if nothing had happened.
+            out.copy_(self.decode_many([data], profile)[0])
+            return
+        finally:
+            self._arena.give(name, mm)
+        decoder.fill_sink(h, out)
 
     def encode(self, kv: torch.Tensor, level: str = "balanced", profile: Profile | None = None, start: int = 0) -> bytes:
         lv = levels.get(level)

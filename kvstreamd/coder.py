@@ -89,5 +89,25 @@ class Coder:
         self.observe(kv.numel() * 2 / 1e6, time.perf_counter() - t0)
         return kv
 
+    def decode_into(self, level: str, payload: bytes | memoryview, out: torch.Tensor, segment: str,
+                    base: torch.Tensor) -> None:
+        """Blocking: decode into `out`, a view of `base` (the shared-memory segment `segment`
+        as one tensor); the codec workers write there directly. CodecError as for decode()."""
+        scheme = catalog.SCHEMES.get(level)
+        if scheme is None:
+            raise CodecError(f"unknown level {level!r}")
+        if scheme.kind == "baseline":
+            kv = baselines.SCHEMES[level].decode(payload)
+            if tuple(kv.shape) != tuple(out.shape):
+                raise CodecError(f"chunk is {list(kv.shape)}, its destination {list(out.shape)}")
+            out.copy_(kv)
+            return
+        t0 = time.perf_counter()
+        try:
+            self.pool.decode_into(payload, out, segment, base)
+        except WorkerLost as e:
+            raise CodecError(f"decoding it cost a codec worker: {e}") from e
+        self.observe(out.numel() * 2 / 1e6, time.perf_counter() - t0)
+
     def close(self) -> None:
         self.pool.close()

@@ -284,7 +284,8 @@ class Node:
         ok = False
         try:
             if buf is not None:
-                view = layout.over(buf.tensor(flat, dtype), parts, p.found_tokens, prof.heads, prof.head_dim)
+                whole = buf.tensor(flat, dtype)
+                view = layout.over(whole, parts, p.found_tokens, prof.heads, prof.head_dim)
             place = buf.placement() if buf is not None else {"device": str(self.gpu) if on_gpu else "cpu"}
             await emit(events.Start(
                 buffer=buf.name if buf else None, shape=list(shape), dtype=dtype, prompt_tokens=len(tokens),
@@ -296,10 +297,12 @@ class Node:
                            self.peers, self.coder, self.metrics, list(req.levels or cfg.codec.levels))
             job.recompute_tps = req.recompute_tokens_per_s or cfg.fetch.recompute_tokens_per_s
             job.stall_s, job.started_at = cfg.fetch.stall_s, arrived
+            if isinstance(buf, HostBuffer):  # the codec workers decode straight into it
+                job.segment = (buf.name, whole)
             if on_gpu and p.found and prof.layout.is_dense:  # (a hybrid model's parts fill from the CPU decoders)
                 job.stages = await asyncio.to_thread(self._stages_for, prof)
             res = await job.run(emit)
-            job.buffer = None
+            job.buffer = job.segment = None
             total = time.monotonic() - t0
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
             text_tokens = sum(e - s for s, e in text_ranges)

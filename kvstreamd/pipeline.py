@@ -99,6 +99,7 @@ class _Item:
     kv: torch.Tensor | None = None  # decoded: [layers the chunk holds, 2, T, H, D]
     nbytes: int = 0  # wire bytes of the chunk (payload, or 4 per token for TEXT)
     staged: object = None  # codec.gpu.Staged: parsed and uploaded on the receive stream
+    filled: bool = False  # decoded straight into the buffer: nothing for the fill stage to copy
 
 
 @dataclass
@@ -136,6 +137,9 @@ class FetchJob:
         # codec.gpu.CudaStages when the buffer is on a GPU: chunks of the entropy-coded levels
         # then upload, decode and fill on three CUDA streams; others decode on the CPU workers.
         self.stages = None
+        # (name, the whole segment as one tensor) when the buffer is host shared memory: the
+        # codec workers then decode a chunk that lies in one part of it straight into it.
+        self.segment: tuple[str, torch.Tensor] | None = None
         self._t0 = 0.0
 
     def _remaining_ms(self) -> int:
@@ -300,9 +304,12 @@ class FetchJob:
                 try:
                     if self.stages is not None and catalog.get(item.level).kind == "level":
                         item.kv = await asyncio.to_thread(self._decode_on_device, item)
+                    elif (dest := self._destination(item.i)) is not None:
+                        await asyncio.to_thread(self.coder.decode_into, item.level, item.payload, dest, *self.segment)
+                        item.filled = True
                     else:
                         item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
-                    self._check_shape(item)
+                        self._check_shape(item)
                 except CodecError as e:
                     why = f"chunk {item.i} from {item.source} does not decode ({e}); recompute it"
                     log.warning(why)
@@ -314,6 +321,20 @@ class FetchJob:
             await out.put(item)
         self.result.stage_s["decode"] = busy
         await out.put(None)
+
+    def _destination(self, i: int) -> torch.Tensor | None:
+        """Where in the buffer chunk i can be decoded to directly: the token range of the one
+        part that reads it, where the chunk's layers are that part's (every chunk of a model
+        whose layers hold every token; a hybrid model's chunks outside the window). None where
+        the chunk's layers go to several parts (the window's chunk), or off host memory."""
+        if self.segment is None:
+            return None
+        s, e = self.plan.bounds[i]
+        reading = [part for part in self.buffer.parts if part.start < e]
+        if len(reading) != 1 or tuple(reading[0].layers) != tuple(self._layers(i)):
+            return None
+        part = reading[0]
+        return part.kv[:, :, s - part.start:e - part.start]
 
     def _decode_on_device(self, item: _Item) -> object:
         t0 = time.perf_counter()
@@ -366,7 +387,7 @@ class FetchJob:
         busy = 0.0
         while (item := await inp.get()) is not None:
             s, e = self.plan.bounds[item.i]
-            if item.kind == "kv":
+            if item.kind == "kv" and not item.filled:
                 t = time.perf_counter()
                 if hasattr(item.kv, "prep"):  # decoded on the device: copy on the fill stream
                     done = self.stages.fill(item.kv, self.buffer.dense()[:, :, s:e])  # (GPU stages: dense layouts)

@@ -318,6 +318,37 @@ def test_each_worker_keeps_the_tables_of_its_share_of_the_streams(small_profile)
         assert pool.streams_with_tables(small_profile) == runs
 
 
+def test_decode_into_writes_the_chunk_where_the_buffer_holds_it_and_nothing_else(small_profile):
+    """The workers decode straight into a token range of a shared-memory [L, 2, T, H, D]
+    buffer (the fetch buffer): the same values as codec.decode, in the buffer's dtype, and
+    every byte around the range untouched. A chunk of another shape is refused before any
+    write, and so is a view whose (layer, K/V) planes are not contiguous."""
+    from codec.errors import CodecError
+    from kvstreamd.shm import Segment
+
+    kv = synthetic_kv(64, 8)  # float32: decoded in float32, written as the buffer's fp16
+    data = codec.encode(kv, "high", small_profile, start=64)
+    L, _, _, H, D = kv.shape
+    with Segment.create(L * 2 * 200 * H * D * 2) as seg, CodecPool(2, profile_paths=(small_profile.path,)) as pool:
+        whole = seg.tensor((L * 2 * 200 * H * D,), "float16")
+        whole.fill_(7.0)
+        buf = whole.view(L, 2, 200, H, D)
+        pool.decode_into(data, buf[:, :, 64:128], seg.name, whole)
+        assert torch.equal(buf[:, :, 64:128], codec.decode(data).half())
+        assert bool((buf[:, :, :64] == 7).all()) and bool((buf[:, :, 128:] == 7).all())
+        with pytest.raises(CodecError, match="destination"):
+            pool.decode_into(data, buf[:, :, 0:63], seg.name, whole)
+        assert bool((buf[:, :, :64] == 7).all())
+        with pytest.raises(ValueError, match="contiguous"):
+            interleaved = whole.view(L, 200, 2, H, D).transpose(1, 2)  # K and V of a token side by side
+            pool.decode_into(data, interleaved[:, :, 64:128], seg.name, whole)
+        seg.unlink()  # the name goes (the model process let the buffer go mid-fetch); the mapping stays
+        buf.fill_(7.0)
+        pool.decode_into(data, buf[:, :, 64:128], seg.name, whole)
+        assert torch.equal(buf[:, :, 64:128], codec.decode(data).half())
+        del whole, buf, interleaved
+
+
 def test_a_call_whose_worker_is_killed_under_it_runs_again_on_new_workers(small_profile):
     import signal
     import threading
