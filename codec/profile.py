@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,12 +203,15 @@ class Profile:
         return path
 
     @classmethod
-    def from_bytes(cls, data: bytes, origin: str = "<bytes>") -> "Profile":
+    def from_bytes(cls, data: bytes | mmap.mmap, origin: str = "<bytes>") -> "Profile":
+        """A profile over `data` (a file's bytes, or a private mapping of it): its tensors are
+        views of data, not copies."""
+        if isinstance(data, bytes):
+            data = bytearray(data)  # writable, as the arrays of a fitted profile are
         try:
-            tensors = safetensors.numpy.load(data)
-            header_len = int.from_bytes(data[:8], "little")
-            meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["profile"])
-        except Exception as e:  # safetensors raises several types for a bad container
+            tensors, meta = _views(data)
+            meta = json.loads(meta["profile"])
+        except (ValueError, KeyError, TypeError) as e:
             raise CodecError(f"{origin}: not a readable profile file ({e})") from None
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
             raise CodecError(f"{origin}: profile format {meta.get('format')!r} v{meta.get('version')} "
@@ -219,10 +223,51 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
+        """The profile in `path`, its tensors mapped from the file: the daemon and each of its
+        codec workers load the same profile, and mapped they share its pages (a Llama-3-8B
+        shape's PCA bases are 134 MB) where each would otherwise hold a copy."""
         path = Path(path)
-        prof = cls.from_bytes(path.read_bytes(), str(path))
+        try:
+            with open(path, "rb") as f:
+                # copy-on-write: pages stay the file's (shared) unless a process writes one
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except ValueError:  # an empty file cannot be mapped
+            data = b""
+        prof = cls.from_bytes(data, str(path))
         prof.path = path
         return prof
+
+
+# The safetensors container (what Profile.to_bytes writes, through the safetensors library):
+# u64 little-endian header length, a JSON header naming each tensor's dtype, shape and byte
+# range, then the data. Read here as views, which the library's numpy loader does not give.
+_SAFETENSORS_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "U8": np.uint8,
+                       "I16": np.int16, "U16": np.uint16, "I32": np.int32, "U32": np.uint32, "I64": np.int64,
+                       "U64": np.uint64, "BOOL": np.bool_}
+
+
+def _views(data) -> tuple[dict[str, np.ndarray], dict]:
+    """(name -> array over data, the header's __metadata__); ValueError if malformed."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError(f"header of {n} bytes in a {len(data)}-byte file")
+    header = json.loads(bytes(data[8:8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    body = 8 + n
+    tensors = {}
+    for name, info in header.items():
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        shape = tuple(int(x) for x in info["shape"])
+        begin, end = (int(x) for x in info["data_offsets"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if not 0 <= begin <= end <= len(data) - body or end - begin != count * dtype.itemsize:
+            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not hold {shape} {dtype}")
+        tensors[name] = np.frombuffer(data, dtype, count, body + begin).reshape(shape)
+    return tensors, meta
 
 
 REQUIRED_TENSORS = ("pca_mean", "pca_basis", "pca_sigma", "pca_cdf", "pca_step_scale", "channel_weight",

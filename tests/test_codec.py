@@ -176,6 +176,26 @@ def test_profile_file_that_is_not_a_profile_is_rejected(tmp_path):
         codec.Profile.load(p)
 
 
+def test_a_profile_file_cut_short_or_lying_about_its_tensors_is_rejected(tmp_path, small_profile):
+    """Profiles are mapped from their file, tensors as views: a file cut short, or a header whose
+    byte ranges do not hold the shapes it names, is refused (CodecError), never read past."""
+    import json as json_mod
+    data = small_profile.to_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json_mod.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [x * 2 for x in header[name]["shape"]]
+    lying = json_mod.dumps(header).encode()
+    for i, bad in enumerate([data[:len(data) // 2], data[:8 + n - 3],
+                             len(lying).to_bytes(8, "little") + lying + data[8 + n:], b""]):
+        p = tmp_path / f"bad{i}.kvprofile"
+        p.write_bytes(bad)
+        with pytest.raises(codec.CodecError, match="not a readable profile"):
+            codec.Profile.load(p)
+    loaded = codec.Profile.load(small_profile.save(tmp_path / "good.kvprofile"))
+    assert loaded.id == small_profile.id and loaded.tensors["pca_basis"].base is not None  # a view
+
+
 def test_kv_of_another_model_shape_is_rejected(small_profile):
     with pytest.raises(codec.CodecError, match="does not match profile"):
         codec.encode(torch.zeros(2, 2, 4, 2, 8), "high", small_profile)
