@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import _posixshmem  # CPython's shm_open/shm_unlink, as kvstreamd/shm.py uses them
 import concurrent.futures as cf
+import contextlib
 import logging
+import math
 import mmap
 import multiprocessing as mp
 import multiprocessing.connection
@@ -21,7 +23,7 @@ import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -63,14 +65,7 @@ def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_
                 decoder.for_profile(prof).warm(level, runs[index])
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    # Workers spawned by multiprocessing share the parent's resource tracker, so attaching
-    # (which registers the name again) is harmless here and must not be undone: unregistering
-    # would drop the parent's own registration. Processes outside the pool are another matter.
-    return shared_memory.SharedMemory(name=name)
-
-
-# Decode output travels in shared-memory segments that the pool keeps and reuses: a fresh
+# Decode output (and a chunk to encode) travels in shared-memory segments that the pool keeps and reuses: a fresh
 # segment costs a page fault and a zeroed page per 4 KiB on first touch (~18 ms for a
 # 1024-token SmolLM2 chunk, ~13% of its decode), a reused one nothing. decode_many returns
 # each chunk as a view of its segment (no copy out); the segment goes back to the pool when the
@@ -207,7 +202,10 @@ class _Arena:
         for name in names:
             _unlink(name)
         for _, mm in free:
-            mm.close()
+            try:
+                mm.close()
+            except BufferError:  # a staged tensor still views it: unmapped when that goes
+                pass
 
 
 def _unlink(name: str) -> None:
@@ -217,21 +215,18 @@ def _unlink(name: str) -> None:
         pass
 
 
-def _encode_part(name: str, shape: tuple, dtype_code: int, level: str, profile_id: bytes, start: int,
+def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str, profile_id: bytes, start: int,
                  sink_rows: int, streams: range) -> list[bytes]:
-    shm = _attach(name)
-    try:
-        kv = torch.frombuffer(shm.buf, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
-        lv, profile = levels.get(level), profiles.find(profile_id)
-        steps = lv.steps(profile)
-        transforms = cachegen.transforms_for(lv, profile)
-        angles = cachegen.key_angles(transforms, start, sink_rows, shape[2], profile)
-        res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, transforms, steps, lv.anchor_step,
-                                      start, sink_rows, profile, angles) for s in streams]
-        del kv
-        return res
-    finally:
-        shm.close()
+    mm = _worker_map(name, size)
+    kv = torch.frombuffer(mm, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
+    lv, profile = levels.get(level), profiles.find(profile_id)
+    steps = lv.steps(profile)
+    transforms = cachegen.transforms_for(lv, profile)
+    angles = cachegen.key_angles(transforms, start, sink_rows, shape[2], profile)
+    res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, transforms, steps, lv.anchor_step,
+                                  start, sink_rows, profile, angles) for s in streams]
+    del kv
+    return res
 
 
 def _streams_with_tables(profile_id: bytes) -> list[int]:
@@ -261,6 +256,7 @@ class CodecPool:
         self.workers = workers or os.cpu_count() or 1
         self._initargs = (tuple(map(str, profile_paths)), tuple(warm_levels))
         self._arena = _Arena()
+        self._staged: dict[int, tuple[str, int]] = {}  # data_ptr of a staged() tensor -> its segment, size
         self._lock = threading.Lock()  # held while the workers are replaced
         self._closed = False
         self._replacing: str | None = None  # why the workers are being replaced, while they are
@@ -459,6 +455,22 @@ class CodecPool:
             self._arena.give(name, mm)
         decoder.fill_sink(h, out)
 
+    @contextlib.contextmanager
+    def staged(self, shape: tuple[int, ...], dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """A tensor in one of the pool's segments, for the caller to fill: encode() codes it
+        where it lies, at every level asked, with no copy (what a put does with each chunk it
+        reads from the client). The tensor must not be used after the block."""
+        nbytes = max(1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        name, mm = self._arena.take(nbytes)
+        t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        self._staged[t.data_ptr()] = (name, len(mm))
+        try:
+            yield t
+        finally:
+            del self._staged[t.data_ptr()]
+            del t
+            self._arena.give(name, mm)
+
     def encode(self, kv: torch.Tensor, level: str = "balanced", profile: Profile | None = None, start: int = 0) -> bytes:
         lv = levels.get(level)
         if lv.name not in levels.LEVELS:
@@ -467,20 +479,24 @@ class CodecPool:
             raise ValueError("encode needs the model's profile")
         profile.check_shape(kv.shape[0], kv.shape[3], kv.shape[4])
         kv = kv.contiguous()
-        raw = kv.view(torch.uint8).reshape(-1).numpy()
-        shm = shared_memory.SharedMemory(create=True, size=max(raw.nbytes, 1))
+        staged = self._staged.get(kv.data_ptr())
+        taken = None
+        if staged is None:  # copied into a segment of the pool's for the workers to read
+            raw = kv.view(torch.uint8).reshape(-1).numpy()
+            taken = self._arena.take(max(raw.nbytes, 1))
+            np.frombuffer(taken[1], np.uint8, count=raw.nbytes)[:] = raw
+            staged = (taken[0], len(taken[1]))
         try:
-            np.frombuffer(shm.buf, np.uint8, count=raw.nbytes)[:] = raw
             L, _, T, H, D = kv.shape
             transforms = cachegen.transforms_for(lv, profile)
             ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
-            subs = [s for part in self._run([(k, _encode_part, shm.name, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
+            subs = [s for part in self._run([(k, _encode_part, *staged, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
                                               lv.name, profile.id, start, ns, run)
                                              for k, run in enumerate(split(2 * L, self.workers))])
                     for s in part]
         finally:
-            shm.close()
-            shm.unlink()
+            if taken is not None:
+                self._arena.give(*taken)
         sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
         header = bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
                            ns, lv.steps(profile), lv.anchor_step, memoryview(sink), subs)

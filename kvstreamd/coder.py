@@ -68,6 +68,11 @@ class Coder:
                 alpha = 0.5 if self._samples < 4 else 0.2
                 self._mbps = (1 - alpha) * self._mbps + alpha * (mb / seconds)
 
+    def staged(self, shape: tuple[int, ...], dtype: torch.dtype):
+        """A context giving a tensor to fill with a chunk, which encode() then codes at every
+        level where it lies (CodecPool.staged)."""
+        return self.pool.staged(shape, dtype)
+
     def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int) -> bytes:
         """Blocking: one chunk at one level (named codec level or baseline scheme)."""
         if catalog.get(level).kind == "baseline":

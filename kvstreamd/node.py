@@ -192,14 +192,16 @@ class Node:
                     out.disk_error = out.disk_error or (again.disk_error if again is not None else None)
                 continue
             s, e = i * ct, min((i + 1) * ct, len(tokens))
-            chunk = await asyncio.to_thread(kv.read, s - start, e - start, 2)  # kv[:, :, s:e], copied
             payloads = {}
-            for level in self.cfg.codec.levels:
-                payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
-                self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
+            shape = (kv.shape[0], 2, e - s, *kv.shape[3:])
+            with self.coder.staged(shape, kv.dtype) as chunk:  # read once, where the codec workers code it
+                await asyncio.to_thread(kv.read, s - start, e - start, 2, chunk)  # kv[:, :, s:e], copied
+                for level in self.cfg.codec.levels:
+                    payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
+                    self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
+                del chunk
             rec = ChunkRecord(key, keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]), dtype,
-                              tuple(chunk.shape), payloads, time.time())
-            del chunk
+                              shape, payloads, time.time())
             try:
                 put = await asyncio.to_thread(self.store.put_to, rec)
             except StoreError as e:

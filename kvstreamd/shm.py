@@ -422,9 +422,10 @@ class Reader:
         fd, size = _open_sized(name, prefix, os.O_RDONLY, shp, dt)
         return cls(name, fd, size, shp, dt)
 
-    def read(self, start: int, stop: int, axis: int = 0) -> torch.Tensor:
+    def read(self, start: int, stop: int, axis: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous copy of ``tensor[..., start:stop, ...]`` (the slice on ``axis``) in this
-        process's memory. ShmError if the segment no longer holds it (its owner shrank it)."""
+        process's memory, or in ``out`` (contiguous, of that shape and dtype) where given.
+        ShmError if the segment no longer holds it (its owner shrank it)."""
         if self._fd is None:
             raise ShmError(f"segment {self.name} is closed")
         if not 0 <= axis < len(self.shape):
@@ -432,15 +433,22 @@ class Reader:
         if not 0 <= start <= stop <= self.shape[axis]:
             raise ShmError(f"[{start}:{stop}] is not within 0..{self.shape[axis]} on axis {axis} of {self.shape}")
         out_shape = self.shape[:axis] + (stop - start,) + self.shape[axis + 1:]
-        arr = np.empty(out_shape, dtype=_NUMPY[self.dtype])
+        if out is not None:
+            if tuple(out.shape) != out_shape or out.dtype != self.dtype or not out.is_contiguous():
+                raise ShmError(f"cannot read {list(out_shape)} {self.dtype} into a {list(out.shape)} {out.dtype} tensor")
+            arr = out.view(torch.uint8).numpy() if self.dtype is torch.bfloat16 else out.numpy()
+        else:
+            arr = np.empty(out_shape, dtype=_NUMPY[self.dtype])
         inner = math.prod(self.shape[axis + 1:]) * _itemsize(self.dtype)  # bytes per index on axis
         run, row = (stop - start) * inner, self.shape[axis] * inner  # bytes to copy, bytes to skip
         outer = math.prod(self.shape[:axis])
         if run == row:  # the slice is one contiguous range of the segment
             run, outer = run * outer, 1
-        out = memoryview(arr.reshape(-1).view(np.uint8))
+        dst = memoryview(arr.reshape(-1).view(np.uint8))
         for o in range(outer):
-            self._read_into(out[o * run:(o + 1) * run], o * row + start * inner)
+            self._read_into(dst[o * run:(o + 1) * run], o * row + start * inner)
+        if out is not None:
+            return out
         t = torch.from_numpy(arr)
         return t.view(torch.bfloat16) if self.dtype is torch.bfloat16 else t
 

@@ -369,6 +369,18 @@ def test_decode_into_writes_the_chunk_where_the_buffer_holds_it_and_nothing_else
         del whole, buf, interleaved
 
 
+def test_a_staged_chunk_is_coded_where_it_lies_at_every_level(small_profile):
+    kv = synthetic_kv(80, 9).to(torch.float16)
+    with CodecPool(2, profile_paths=(small_profile.path,), warm_levels=()) as pool:
+        with pool.staged(tuple(kv.shape), kv.dtype) as chunk:
+            chunk.copy_(kv)
+            assert pool._staged  # encode() finds it by where it lies
+            for level in OURS:
+                assert pool.encode(chunk, level, small_profile, start=80) == codec.encode(kv, level, small_profile, start=80)
+            del chunk
+        assert not pool._staged
+
+
 def test_a_call_whose_worker_is_killed_under_it_runs_again_on_new_workers(small_profile):
     import signal
     import threading

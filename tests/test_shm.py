@@ -611,6 +611,21 @@ def test_a_reader_copies_exactly_the_slice_asked_for_on_any_axis(dtname):
         assert r.closed
 
 
+def test_a_reader_reads_into_a_tensor_of_the_slice_s_shape_only():
+    shape = (3, 2, 50, 2, 8)
+    with Segment.create(3 * 2 * 50 * 2 * 8 * 2) as seg:
+        view = seg.tensor(shape, "float16")
+        view.copy_(torch.arange(view.numel(), dtype=torch.float32).view(shape).half())
+        with Reader.open(seg.name, shape, "float16") as r:
+            out = torch.zeros((3, 2, 10, 2, 8), dtype=torch.float16)
+            assert r.read(20, 30, 2, out) is out and torch.equal(out, view[:, :, 20:30])
+            with pytest.raises(ShmError, match="cannot read"):
+                r.read(20, 31, 2, out)
+            with pytest.raises(ShmError, match="cannot read"):
+                r.read(20, 30, 2, out.float())
+        del view
+
+
 def test_a_reader_maps_nothing_and_holds_no_view_of_the_segment():
     with Segment.create(4096) as seg:
         seg.close()  # only the Reader has it open from here
