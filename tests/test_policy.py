@@ -336,6 +336,7 @@ class FakeServedFetch:
         self.written: list[tuple] = []
         self.ended: list[bool] = []
         self._remaining = remaining_s
+        self._link_free = 0.0
 
     def remaining(self) -> float:
         return self._remaining
@@ -352,8 +353,10 @@ class FakeServedFetch:
         self.ended.append(deadline_missed)
 
     def _ack(self, i: int, nbytes: int) -> int:
-        t = asyncio.get_running_loop().time()
-        self.acks.put_nowait((Ack(self.req, i, nbytes), t + nbytes / self.peer.bandwidth))
+        # one link: a chunk written while another is on it goes once that one has
+        t = max(asyncio.get_running_loop().time(), self._link_free)
+        self._link_free = t + nbytes / self.peer.bandwidth
+        self.acks.put_nowait((Ack(self.req, i, nbytes), self._link_free))
         return nbytes
 
 
@@ -381,6 +384,29 @@ async def test_send_chunks_probes_a_new_link_then_sends_every_chunk_in_order_and
     assert done.busy_s == pytest.approx(2 * 300_040 / mbit(100) + 2 * 3092 / mbit(100), abs=0.01)
     assert served.ended == [False] and not done.deadline_missed
     assert done.sender.levels == ["high", TEXT, "high", TEXT] and len(est.samples) == 3  # probe + 2 CHUNKs
+
+
+async def test_send_chunks_keeps_the_next_chunk_on_the_wire_while_the_last_is_acknowledged():
+    """DEPTH chunks in flight: the link never waits a round trip for an ACK between chunks, and
+    each chunk's delivery is timed from when the one before it had gone (so the estimate is the
+    link's rate, not half of it)."""
+    from transport.send import DEPTH
+    chunks = 6
+    served = FakeServedFetch(chunks, mbit(100))
+    sizes, work = _send_sizes(chunks)
+    est = BandwidthEstimator()
+    est.add(1_000_000, 0.0, 1_000_000 / mbit(100))
+    written_at_get = []
+    get = served.acks.get
+
+    async def counting_get():
+        written_at_get.append(len(served.written))
+        return await get()
+    served.acks.get = counting_get
+    await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1], fixed(["high"] * chunks),
+                      est, work, {"high": 0.0, TEXT: 0.0})
+    assert DEPTH == 2 and written_at_get == [2, 3, 4, 5, 6, 6]
+    assert all(r == pytest.approx(mbit(100), rel=0.05) for r in est.samples[1:]), est.samples
 
 
 async def test_send_chunks_does_not_probe_a_link_with_history():

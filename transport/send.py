@@ -14,6 +14,12 @@ from .sender import FetchSender
 if TYPE_CHECKING:
     from .aio import ServedFetch
 
+# Chunks on the wire at once: the next one is written as soon as the last is, so the link does
+# not sit idle for a round trip between chunks (stop-and-wait cost ~3.5 ms a chunk, ~10% of a
+# 512-token Gemma-3 chunk's time at 100 Mbit/s, docs/benchmarks.md); the level of each is still
+# chosen from every ACK before it but one.
+DEPTH = 2
+
 
 @dataclass(frozen=True)
 class Sent:
@@ -41,8 +47,9 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     `sizes[level][i]` is chunk i's size at each level on offer (TEXT among them if allowed),
     `payload_of(i, level)` its encoded bytes, `text_of(i)` its token ids; `work_s` and `dppl`
     are what each level costs the fetcher in seconds and in quality. A peer whose link has
-    no history (`estimator.needs_probe`) is probed first with a padded PING. Chunks go one at
-    a time: the next is chosen once the last is acknowledged, from what its ACK taught.
+    no history (`estimator.needs_probe`) is probed first with a padded PING. Chunks go in
+    order, DEPTH on the wire at once: the next is chosen once the one DEPTH - 1 before it is
+    acknowledged, from what the ACKs taught.
     `payload_of` returns None for a chunk it cannot make (damaged where it is kept): the loop
     stops before it and leaves the request open, as with `count`, and says so in `stopped_at`.
     `before_send(i, level)` runs just before chunk i is written; `on_sent(i, level, nbytes)`
@@ -59,24 +66,35 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                          rule, estimator, work_s, dppl)
     coded = 0
     busy = 0.0
-    while (nxt := sender.next_chunk(loop.time())) is not None:
-        i, level = nxt
-        if before_send is not None:
-            before_send(i, level)
-        sent_at = loop.time()
-        if level == TEXT:
-            nbytes = await served.send_text(i, text_of(i))
-        else:
-            payload = payload_of(i, level)
-            if payload is None:
-                return Sent(sender, coded, busy, started, False, stopped_at=i)
-            nbytes = await served.send_chunk(i, level, payload)
-            coded += nbytes
-        if on_sent is not None:
-            on_sent(i, level, nbytes)
+    inflight: dict[int, tuple[float, int]] = {}  # chunk -> (when written, wire bytes)
+    last_ack = started
+    while True:
+        while len(inflight) < DEPTH and (nxt := sender.next_chunk(loop.time())) is not None:
+            i, level = nxt
+            if before_send is not None:
+                before_send(i, level)
+            sent_at = loop.time()
+            if level == TEXT:
+                nbytes = await served.send_text(i, text_of(i))
+            else:
+                payload = payload_of(i, level)
+                if payload is None:
+                    return Sent(sender, coded, busy, started, False, stopped_at=i)
+                nbytes = await served.send_chunk(i, level, payload)
+                coded += nbytes
+            if on_sent is not None:
+                on_sent(i, level, nbytes)
+            inflight[i] = (sent_at, nbytes)
+        if not inflight:
+            break
         ack, acked_at = await served.acks.get()
-        busy += acked_at - sent_at
-        sender.on_ack(ack.i, nbytes, sent_at, acked_at)
+        sent_at, nbytes = inflight.pop(ack.i)
+        # Written while the chunk before it was still on the link, its bytes went out once
+        # that one's had: its delivery counts from then, not from when it was written.
+        began = min(max(sent_at, last_ack), acked_at)
+        busy += acked_at - began
+        sender.on_ack(ack.i, nbytes, began, acked_at)
+        last_ack = max(last_ack, acked_at)
     missed = sender.deadline_missed(loop.time())
     if chunks == len(served.fetch.keys):
         await served.end(deadline_missed=missed)
