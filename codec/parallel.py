@@ -73,6 +73,9 @@ def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_
 # own prefix, so the daemon's start-up sweep removes any a killed process left.
 SEG_PREFIX = "kvcodec"
 MAX_FREE_SEGMENTS = 8  # kept for reuse (each about a chunk's output); beyond, freed
+# and no more bytes than this kept: a Llama-3-8B-shaped chunk is 128 MiB, and 8 of them idle
+# would be a gigabyte held for nothing (docs/benchmarks.md, "bench scale")
+MAX_FREE_BYTES = 256 << 20
 SEG_ROUND = 1 << 20
 _worker_maps: dict[str, mmap.mmap] = {}  # in a worker: its mappings of the pool's segments
 
@@ -186,7 +189,8 @@ class _Arena:
     def give(self, name: str, mm: mmap.mmap) -> None:
         """Back for reuse (the caller holds no view of it any more)."""
         with self._lock:
-            if not self._closed and len(self._free) < MAX_FREE_SEGMENTS:
+            kept = sum(len(m) for _, m in self._free)
+            if not self._closed and len(self._free) < MAX_FREE_SEGMENTS and kept + len(mm) <= MAX_FREE_BYTES:
                 self._free.append((name, mm))
                 return
             self._all.discard(name)
