@@ -7,28 +7,25 @@ pool's pipes, and a decoded chunk is returned as a view of its segment rather th
 """
 from __future__ import annotations
 
-import _posixshmem  # CPython's shm_open/shm_unlink, as kvstreamd/shm.py uses them
 import concurrent.futures as cf
 import contextlib
 import logging
 import math
-import mmap
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import secrets
 import signal
 import threading
 import time
 import weakref
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from . import bitstream as bs, cachegen, decoder, levels, profile as profiles
+from .segments import Arena, Destination, open_segment, worker_map
 from .errors import CodecError
 from .profile import Profile
 
@@ -65,53 +62,8 @@ def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_
                 decoder.for_profile(prof).warm(level, runs[index])
 
 
-# Decode output (and a chunk to encode) travels in shared-memory segments that the pool keeps and reuses: a fresh
-# segment costs a page fault and a zeroed page per 4 KiB on first touch (~18 ms for a
-# 1024-token SmolLM2 chunk, ~13% of its decode), a reused one nothing. decode_many returns
-# each chunk as a view of its segment (no copy out); the segment goes back to the pool when the
-# last view of it is gone. Names follow kvstreamd.shm's "<prefix>-<pid>-<12 hex>" with their
-# own prefix, so the daemon's start-up sweep removes any a killed process left.
-SEG_PREFIX = "kvcodec"
-MAX_FREE_SEGMENTS = 8  # kept for reuse (each about a chunk's output); beyond, freed
-# and no more bytes than this kept: a Llama-3-8B-shaped chunk is 128 MiB, and 8 of them idle
-# would be a gigabyte held for nothing (docs/benchmarks.md, "bench scale")
-MAX_FREE_BYTES = 256 << 20
-SEG_ROUND = 1 << 20
-_worker_maps: dict[str, mmap.mmap] = {}  # in a worker: its mappings of the pool's segments
-
-
-def _segment(size: int, name: str | None = None) -> tuple[str, mmap.mmap]:
-    """Create (name None) or open a shared-memory segment; returns its name and a mapping."""
-    create = name is None
-    if create:
-        name = f"{SEG_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}"
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, size)
-        return name, mmap.mmap(fd, size)
-    except BaseException:
-        if create:
-            _posixshmem.shm_unlink("/" + name)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _worker_map(name: str, size: int) -> mmap.mmap:
-    mm = _worker_maps.get(name)
-    if mm is None or len(mm) != size:
-        if mm is not None:
-            mm.close()
-        while len(_worker_maps) >= 2 * MAX_FREE_SEGMENTS:  # the pool has let the oldest go
-            _worker_maps.pop(next(iter(_worker_maps))).close()
-        _, mm = _segment(size, name)
-        _worker_maps[name] = mm
-    return mm
-
-
 def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: range) -> None:
-    mm = _worker_map(name, size)
+    mm = worker_map(name, size)
     # decode_many checked the CRC of these bytes before it wrote them here
     h, profile = decoder.read(memoryview(mm)[out_bytes:out_bytes + data_len], check_crc=False)
     out = torch.frombuffer(mm, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
@@ -119,39 +71,12 @@ def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: r
     del out, h
 
 
-@dataclass(frozen=True)
-class Destination:
-    """Where a decode writes its chunk: a [L, 2, T, H, D] view into a named shared-memory
-    segment (the fetch buffer the model process maps), so the workers write the KV where it
-    is read and nothing is copied after them. Each (layer, K/V) plane of the view must be
-    contiguous: a token range of a [L, 2, T_all, H, D] buffer is."""
-
-    segment: str
-    size: int  # the segment's bytes
-    offset: int  # bytes from the segment's start to the view's first element
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  # in elements
-    dtype: str
-
-    @classmethod
-    def of(cls, view: torch.Tensor, segment: str, base: torch.Tensor) -> "Destination":
-        """`view` of `base`, the whole segment `segment` as one tensor."""
-        if view.dim() != 5 or view.stride(4) != 1 or view.stride(3) != view.shape[4] or \
-                view.stride(2) != view.shape[3] * view.shape[4] or view.stride(0) != 2 * view.stride(1):
-            raise ValueError(f"a destination needs contiguous (layer, K/V) planes, not strides {view.stride()}")
-        offset = view.data_ptr() - base.data_ptr()
-        size = base.numel() * base.element_size()
-        if offset < 0 or offset + view.stride(0) * (view.shape[0] - 1) * view.element_size() > size:
-            raise ValueError("the view does not lie in the segment")
-        return cls(segment, size, offset, tuple(view.shape), tuple(view.stride()), str(view.dtype).removeprefix("torch."))
-
-
 def _decode_into(dest: Destination, name: str, size: int, data_len: int, streams: range) -> None:
-    mm = _worker_map(name, size)
+    mm = worker_map(name, size)
     h, profile = decoder.read(memoryview(mm)[:data_len], check_crc=False)  # checked by decode_into
     # The destination is mapped for this job only: a worker that kept it would keep the fetch
     # buffer's memory alive after the daemon and the model process have let it go.
-    _, out_mm = _segment(dest.size, dest.segment)
+    _, out_mm = open_segment(dest.size, dest.segment)
     try:
         base = torch.frombuffer(out_mm, dtype=getattr(torch, dest.dtype))
         out = base.as_strided(dest.shape, dest.strides, dest.offset // base.element_size())
@@ -164,64 +89,9 @@ def _decode_into(dest: Destination, name: str, size: int, data_len: int, streams
             pass
 
 
-class _Arena:
-    """The pool's segments: free ones by size, handed out and taken back."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: list[tuple[str, mmap.mmap]] = []
-        self._all: set[str] = set()
-        self._closed = False
-
-    def take(self, size: int) -> tuple[str, mmap.mmap]:
-        """A segment of at least size bytes (sizes vary with each chunk's bitstream, so they
-        are rounded up to whole MiB, and a free one up to twice the need will do)."""
-        size = -(-size // SEG_ROUND) * SEG_ROUND
-        with self._lock:
-            for i, (name, mm) in enumerate(self._free):
-                if size <= len(mm) <= 2 * size:
-                    return self._free.pop(i)
-        name, mm = _segment(size)
-        with self._lock:
-            self._all.add(name)
-        return name, mm
-
-    def give(self, name: str, mm: mmap.mmap) -> None:
-        """Back for reuse (the caller holds no view of it any more)."""
-        with self._lock:
-            kept = sum(len(m) for _, m in self._free)
-            if not self._closed and len(self._free) < MAX_FREE_SEGMENTS and kept + len(mm) <= MAX_FREE_BYTES:
-                self._free.append((name, mm))
-                return
-            self._all.discard(name)
-        _unlink(name)  # the mapping goes with its last reference (a finalizer runs before the
-        # array has let go of its buffer, so closing it here would fail)
-
-    def close(self) -> None:
-        """Unlink every segment; those still viewed by results stay mapped until they go."""
-        with self._lock:
-            self._closed = True
-            free, self._free = self._free, []
-            names, self._all = self._all, set()
-        for name in names:
-            _unlink(name)
-        for _, mm in free:
-            try:
-                mm.close()
-            except BufferError:  # a staged tensor still views it: unmapped when that goes
-                pass
-
-
-def _unlink(name: str) -> None:
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
-
-
 def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str, profile_id: bytes, start: int,
                  sink_rows: int, streams: range) -> list[bytes]:
-    mm = _worker_map(name, size)
+    mm = worker_map(name, size)
     kv = torch.frombuffer(mm, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
     lv, profile = levels.get(level), profiles.find(profile_id)
     steps = lv.steps(profile)
@@ -259,7 +129,7 @@ class CodecPool:
                  warm_levels: tuple[str, ...] = levels.LADDER):
         self.workers = workers or os.cpu_count() or 1
         self._initargs = (tuple(map(str, profile_paths)), tuple(warm_levels))
-        self._arena = _Arena()
+        self._arena = Arena()
         self._staged: dict[int, tuple[str, int]] = {}  # data_ptr of a staged() tensor -> its segment, size
         self._lock = threading.Lock()  # held while the workers are replaced
         self._closed = False

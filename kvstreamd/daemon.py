@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from codec.parallel import SEG_PREFIX as CODEC_SEG_PREFIX
+from codec.segments import SEG_PREFIX as CODEC_SEG_PREFIX
 
 from . import __version__, sdnotify
 from . import config as config_mod

@@ -277,11 +277,11 @@ def test_pool_reuses_its_segments_and_a_result_outlives_the_pool(small_profile):
     """decode_many's results are views of the pool's segments: a segment is reused only once
     every view of the result it held is gone, and closing the pool unlinks them all while
     results still read correctly."""
-    from codec import parallel
+    from codec import segments
     kv = synthetic_kv(64, 21).to(torch.float16)
     data = codec.encode(kv, "high", small_profile, start=0)
     want = codec.decode(data)
-    ours = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(f"{parallel.SEG_PREFIX}-{os.getpid()}-")}  # noqa: E731
+    ours = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(f"{segments.SEG_PREFIX}-{os.getpid()}-")}  # noqa: E731
     with CodecPool(1, profile_paths=(small_profile.path,)) as pool:
         first = pool.decode(data)
         view = first[:, :, 3:7]

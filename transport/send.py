@@ -68,8 +68,9 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     busy = 0.0
     inflight: dict[int, tuple[float, int]] = {}  # chunk -> (when written, wire bytes)
     last_ack = started
+    stopped_at = None
     while True:
-        while len(inflight) < DEPTH and (nxt := sender.next_chunk(loop.time())) is not None:
+        while stopped_at is None and len(inflight) < DEPTH and (nxt := sender.next_chunk(loop.time())) is not None:
             i, level = nxt
             if before_send is not None:
                 before_send(i, level)
@@ -78,8 +79,9 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                 nbytes = await served.send_text(i, text_of(i))
             else:
                 payload = payload_of(i, level)
-                if payload is None:
-                    return Sent(sender, coded, busy, started, False, stopped_at=i)
+                if payload is None:  # the chunks before it are acknowledged before the caller says so
+                    stopped_at = i
+                    break
                 nbytes = await served.send_chunk(i, level, payload)
                 coded += nbytes
             if on_sent is not None:
@@ -95,6 +97,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
         busy += acked_at - began
         sender.on_ack(ack.i, nbytes, began, acked_at)
         last_ack = max(last_ack, acked_at)
+    if stopped_at is not None:
+        return Sent(sender, coded, busy, started, False, stopped_at=stopped_at)
     missed = sender.deadline_missed(loop.time())
     if chunks == len(served.fetch.keys):
         await served.end(deadline_missed=missed)
