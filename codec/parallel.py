@@ -305,7 +305,8 @@ class CodecPool:
                     profile: Profile | None = None) -> None:
         """Decode one chunk into `out`, a view of `base` (the whole shared-memory segment
         `segment` as one tensor) shaped as the chunk: the workers write there directly, and
-        nothing is copied after them. The values are decode()'s, in out's dtype. CodecError, before any write, for a chunk that does not decode or is not of out's shape."""
+        nothing is copied after them. The values are decode()'s, in out's dtype. CodecError,
+        before any write, for a chunk that does not decode or is not of out's shape."""
         h = decoder.read(data, profile)[0]
         if tuple(h.shape) != tuple(out.shape):
             raise CodecError(f"chunk is {list(h.shape)}, its destination {list(out.shape)}")

@@ -99,10 +99,8 @@ class Coder:
         """Blocking: decode into `out`, a view of `base` (the shared-memory segment `segment`
         as one tensor); the codec workers write there directly. CodecError as for decode()."""
         scheme = catalog.SCHEMES.get(level)
-        if scheme is None:
-            raise CodecError(f"unknown level {level!r}")
-        if scheme.kind == "baseline":
-            kv = baselines.SCHEMES[level].decode(payload)
+        if scheme is None or scheme.kind == "baseline":  # decode() refuses the one, codes the other in-process
+            kv = self.decode(level, payload)
             if tuple(kv.shape) != tuple(out.shape):
                 raise CodecError(f"chunk is {list(kv.shape)}, its destination {list(out.shape)}")
             out.copy_(kv)
