@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import ctypes
 import logging
 import math
 import multiprocessing as mp
@@ -39,6 +40,29 @@ def _exit_with_parent(parent: int) -> None:
         time.sleep(1.0)
         if os.getppid() != parent:
             os._exit(0)
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def _job(fn, *args):
+    """fn(*args) in a worker, its freed heap handed back to the system after it: a chunk's
+    temporaries (hundreds of MB at a Llama-3-8B shape) are freed between the live results and
+    tables, and glibc keeps such holes mapped, so each worker would hold its largest job's
+    memory from then on (~390 MB a worker, docs/benchmarks.md "bench scale")."""
+    try:
+        return fn(*args)
+    finally:
+        if _TRIM is not None:
+            _TRIM(0)
 
 
 def split(streams: int, workers: int) -> list[range]:
@@ -249,7 +273,7 @@ class CodecPool:
         for attempt in (1, 2):
             pool, futures = self._pool, []
             try:
-                futures = [pool[k].submit(*job) for k, *job in jobs]
+                futures = [pool[k].submit(_job, *job) for k, *job in jobs]
                 return [f.result() for f in futures]
             except BrokenProcessPool as e:
                 cf.wait(futures)
