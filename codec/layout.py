@@ -137,6 +137,31 @@ class PrefixKV:
         return PrefixKV(self.tokens, [Part(p.layers, p.start, p.kv.to(device=device, dtype=dtype, copy=copy), p.window)
                                       for p in self.parts])
 
+    def empty_heads_first(self, device=None, dtype=None) -> "PrefixKV":
+        """A PrefixKV of this one's parts, uninitialised, laid out heads-first in memory
+        (`[Lg, 2, H, T, D]`, seen as `[Lg, 2, T, H, D]` like any part): the layout transformers'
+        caches hold, so that a model's cache can take the tensors as they are
+        (models.cache_from_kv(..., copy=False)) rather than copy them once more."""
+        parts = []
+        for p in self.parts:
+            L, _, T, H, D = p.kv.shape
+            hf = torch.empty((L, 2, H, T, D), dtype=dtype or p.kv.dtype, device=device or p.kv.device)
+            parts.append(Part(p.layers, p.start, hf.permute(0, 1, 3, 2, 4), p.window))
+        return PrefixKV(self.tokens, parts)
+
+    def copy_tokens_(self, src: "PrefixKV", start: int, end: int) -> None:
+        """Tokens [start, end) of src (of the same parts) into this one: each part takes those it holds."""
+        for d, s in zip(self.parts, src.parts):
+            lo, hi = max(start, d.start) - d.start, min(end, self.tokens) - d.start
+            if hi > lo:
+                d.kv[:, :, lo:hi].copy_(s.kv[:, :, lo:hi])
+
+    def copy_heads_first(self, device=None, dtype=None) -> "PrefixKV":
+        """A copy, heads-first (empty_heads_first)."""
+        out = self.empty_heads_first(device, dtype)
+        out.copy_tokens_(self, 0, self.tokens)
+        return out
+
     def prefix(self, n: int) -> "PrefixKV":
         """The KV of the first n tokens: views. ValueError where a windowed group does not
         hold the tokens the shorter prefix needs of it."""

@@ -103,6 +103,34 @@ def test_prefill_holds_every_layers_every_token_and_a_window_cache_continues_exa
         assert torch.allclose(got, ref, atol=1e-4), (chunk, (got - ref).abs().max())
 
 
+def test_a_cache_that_holds_a_heads_first_copy_as_it_is_continues_like_one_that_copies(gemma_folder):
+    """cache_from_kv(copy=False) on PrefixKV.copy_heads_first: the layers hold the very tensors
+    (no copy), continue to the logits a copying cache gives, and running the model leaves them
+    as they were."""
+    from codec.layout import PrefixKV
+    from kvstreamd import models
+
+    lm = models.load(gemma_folder)
+    ids = lm.tokenizer.document(TEXT)[:300]
+    _, kv = models.prefill(lm, ids[:250], all_logits=False)
+    prefix = PrefixKV.from_dense(kv.half(), lm.layout, 16)
+    own = prefix.copy_heads_first(dtype=torch.float32)
+    assert own.parts[0].kv.permute(0, 1, 3, 2, 4).is_contiguous() and torch.equal(own.parts[0].kv, prefix.parts[0].kv.float())
+    before = [p.kv.clone() for p in own.parts]
+    held = models.cache_from_kv(own, torch.float32, lm.model.config, copy=False)
+    copied = models.cache_from_kv(prefix, torch.float32, lm.model.config)
+    for layer, (a, b) in enumerate(zip(held.layers, copied.layers)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert getattr(a, "cumulative_length", None) == getattr(b, "cumulative_length", None)
+    part = next(p for p in own.parts if p.window is None)  # full-attention layers, tokens from 0
+    assert held.layers[part.layers[0]].keys.data_ptr() == part.kv[0, 0].data_ptr()  # held without a copy
+    rest = torch.tensor(ids[250:])
+    got, _ = models.adapter.run(lm.model, rest, held, all_logits=True, keep_kv=False)
+    ref, _ = models.adapter.run(lm.model, rest, copied, all_logits=True, keep_kv=False)
+    assert torch.equal(got, ref)
+    assert all(torch.equal(p.kv, b) for p, b in zip(own.parts, before))
+
+
 @pytest.mark.parametrize("which", ["llama", "gemma"])
 def test_calibrate_put_fetch_generate_with_a_model_folder(tmp_path, request, which):
     folder = request.getfixturevalue(f"{which}_folder")

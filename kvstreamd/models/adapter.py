@@ -179,12 +179,14 @@ def kv_from_cache(past_key_values) -> torch.Tensor:
     return kv.transpose(2, 3).contiguous()
 
 
-def cache_from_kv(kv: torch.Tensor | PrefixKV, dtype: torch.dtype | None = None, config=None):
+def cache_from_kv(kv: torch.Tensor | PrefixKV, dtype: torch.dtype | None = None, config=None, copy: bool = True):
     """A `DynamicCache` holding `kv` (a `[L, 2, T, H, D]` tensor of every layer's tokens, or a
     PrefixKV), converted to `dtype` if given, ready to continue the model after it. `config`:
     the model's, so that its sliding layers keep only their window (as the model's own cache
     would); a windowed part is fed in at its true positions. The cache owns its copy, so running
-    the model on it never writes into `kv`."""
+    the model on it never writes into `kv`. copy=False: a part that already lies heads-first in
+    `dtype` (PrefixKV.copy_heads_first) is held as it is, no copy -- the model still never
+    writes into it (a dynamic cache layer appends by concatenating into new tensors)."""
     from transformers import DynamicCache
 
     prefix = kv if isinstance(kv, PrefixKV) else _dense_prefix(kv)
@@ -192,25 +194,48 @@ def cache_from_kv(kv: torch.Tensor | PrefixKV, dtype: torch.dtype | None = None,
     per_layer = {}
     for part in prefix.parts:
         L, _, T, H, D = part.kv.shape
-        heads_first = torch.empty((L, 2, H, T, D), dtype=dtype or part.kv.dtype, device=part.kv.device)
-        heads_first.copy_(part.kv.permute(0, 1, 3, 2, 4))
+        heads_first = part.kv.permute(0, 1, 3, 2, 4)
+        if copy or heads_first.dtype != (dtype or part.kv.dtype) or not heads_first.is_contiguous():
+            heads_first = torch.empty((L, 2, H, T, D), dtype=dtype or part.kv.dtype, device=part.kv.device)
+            heads_first.copy_(part.kv.permute(0, 1, 3, 2, 4))
         for j, layer in enumerate(part.layers):
             per_layer[layer] = (part.start, heads_first[j])
     for layer in range(len(per_layer)):
         start, kvl = per_layer[layer]
-        k, v = kvl[0].unsqueeze(0), kvl[1].unsqueeze(0)
-        cache.update(k, v, layer)
-        if start:
-            # The tokens before the window are never read, but they count (positions, masks): a
-            # sliding layer (transformers' DynamicSlidingWindowLayer) is told how many it has
-            # seen; any other layer kind gets zeros in their place.
-            held = cache.layers[layer]
-            if getattr(held, "is_sliding", False) and hasattr(held, "cumulative_length"):
-                held.cumulative_length = start + k.shape[2]
-            else:
-                pad = torch.zeros((1, k.shape[1], start, k.shape[3]), dtype=k.dtype, device=k.device)
-                held.keys, held.values = torch.cat([pad, held.keys], 2), torch.cat([pad, held.values], 2)
+        _hold(cache, layer, kvl[0].unsqueeze(0), kvl[1].unsqueeze(0), start)
     return cache
+
+
+def _hold(cache, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    """Layer `layer` of a fresh cache made to hold k, v `[1, H, T, D]`, tokens start..start+T of
+    the prefix. transformers' own dynamic layers are left as their update() would leave them,
+    without its copy (update concatenates onto an empty tensor); any other layer kind goes
+    through update()."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    held = cache.layers[layer] if layer < len(cache.layers) else None
+    kind = type(held)
+    if kind is DynamicSlidingWindowLayer:
+        held.lazy_initialization(k, v)
+        # what update() keeps of a sliding layer: its last window - 1 tokens, and how many it saw
+        keep = held.sliding_window - 1
+        held.keys, held.values = k[:, :, -keep:], v[:, :, -keep:]
+        held.cumulative_length = start + k.shape[2]
+        return
+    if kind is DynamicLayer and not start:
+        held.lazy_initialization(k, v)
+        held.keys, held.values = k, v
+        return
+    cache.update(k, v, layer)
+    if start:
+        # The tokens before the window are never read, but they count (positions, masks): a
+        # sliding layer is told how many it has seen; any other layer kind gets zeros in their place.
+        held = cache.layers[layer]
+        if getattr(held, "is_sliding", False) and hasattr(held, "cumulative_length"):
+            held.cumulative_length = start + k.shape[2]
+        else:
+            pad = torch.zeros((1, k.shape[1], start, k.shape[3]), dtype=k.dtype, device=k.device)
+            held.keys, held.values = torch.cat([pad, held.keys], 2), torch.cat([pad, held.values], 2)
 
 
 def _dense_prefix(kv: torch.Tensor) -> PrefixKV:

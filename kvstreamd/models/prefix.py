@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from codec.layout import PrefixKV
@@ -67,14 +68,25 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     # hands it over by CUDA IPC, or says why not and uses shared memory).
     with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=recompute_tokens_per_s,
                       device="cuda" if device.type == "cuda" else "cpu") as f:
+        # A copy, always (even in the same dtype and device): the buffer is released on exit. Laid
+        # out heads-first, as the model's cache holds it, so that generate() need not copy it again;
+        # each chunk is copied out as it lands, while the next ones stream in.
+        src = f.prefix
+        kv = src.empty_heads_first(device=device, dtype=dtype) if src is not None else None
+        copied = np.zeros(src.tokens if src is not None else 0, bool)
         for ev in f:
             reuse.events.append(ev)
+            if kv is not None and ev.kind == "kv":
+                kv.copy_tokens_(src, ev.start, ev.end)
+                copied[ev.start:ev.end] = True
             if on_chunk is not None:
                 on_chunk(ev)
         reuse.end = f.end
         reuse.found_tokens = f.found_tokens
-        # a copy, always (even in the same dtype and device): the buffer is released on exit
-        kv = f.prefix.to(device=device, dtype=dtype, copy=True) if f.prefix is not None else None
+        if kv is not None:  # what no KV chunk brought (TEXT chunks, recomputed below) is the buffer's, as it stands
+            for start, end in _runs(~copied):
+                kv.copy_tokens_(src, start, end)
+        del src
     reuse.fetch_s = time.perf_counter() - t0
     if kv is None:
         return None, reuse
@@ -105,6 +117,12 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     reuse.recompute_s = time.perf_counter() - t1
     reuse.kv_tokens = reuse.found_tokens - reuse.text_tokens
     return kv, reuse
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in mask."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
 class _FirstToken:
@@ -140,7 +158,9 @@ def generate(model, prompt: list[int], client: Client | None, model_id: str, *, 
     if kv is not None:
         t1 = time.perf_counter()
         n = min(kv.tokens, len(prompt) - 1)  # generate needs one prompt token left to run
-        kwargs[generate_cache_kwarg()] = cache_from_kv(kv.prefix(n), next(model.parameters()).dtype, model.config)
+        # kv is this call's own copy, already in the cache's layout: the cache holds it as it is
+        kwargs[generate_cache_kwarg()] = cache_from_kv(kv.prefix(n), next(model.parameters()).dtype, model.config,
+                                                       copy=False)
         reuse.cache_s = time.perf_counter() - t1
     streamer = _FirstToken()
     out = model.generate(torch.tensor([prompt], device=next(model.parameters()).device), max_new_tokens=max_new_tokens, do_sample=False,
