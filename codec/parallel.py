@@ -42,39 +42,43 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(0)
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _glibc_heap():
-    """(free bytes in the heap, trim) from glibc's mallinfo2 and malloc_trim, or None where the
-    C library has them not (musl, macOS, glibc before 2.33)."""
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
     try:
-        libc = ctypes.CDLL(None)
-        info, trim = libc.mallinfo2, libc.malloc_trim
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
-    info.restype = _MallInfo2
-    return (lambda: info().fordblks), trim
 
 
-_HEAP = _glibc_heap()
-TRIM_FREE_BYTES = 64 << 20  # a worker's freed heap past this goes back to the system after a job
+def _anon_bytes() -> int:
+    """This process's resident anonymous memory (resident less file-backed and shared pages)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+_TRIM = _malloc_trim()
+TRIM_GROWTH_BYTES = 64 << 20  # a worker whose anonymous memory grew this much since its last trim trims
+_anon_at_trim = 0
 
 
 def _job(fn, *args):
-    """fn(*args) in a worker; after it, a heap holding more than TRIM_FREE_BYTES free is
-    trimmed. A chunk's temporaries (hundreds of MB at a Llama-3-8B shape) are freed between
-    live results and tables, and glibc keeps such holes mapped, so each worker would hold its
-    largest job's memory from then on (~390 MB a worker, docs/benchmarks.md "bench scale").
-    Small jobs leave the heap be: trimming after each costs a 3-layer Gemma-3 chunk's decode
-    1-3 ms (its next temporaries fault their pages in again)."""
+    """fn(*args) in a worker, its freed heap handed back to the system after it when the
+    worker's memory grew by TRIM_GROWTH_BYTES since it last did. A chunk's temporaries (hundreds
+    of MB at a Llama-3-8B shape) are freed between live results and tables, and glibc keeps
+    such holes mapped, so each worker would hold its largest job's memory from then on (~390 MB
+    a worker, docs/benchmarks.md "bench scale"). Not after every job: a trim costs a 3-layer
+    Gemma-3 chunk's decode 1-3 ms (its next temporaries fault their pages in again)."""
+    global _anon_at_trim
     try:
         return fn(*args)
     finally:
-        if _HEAP is not None and _HEAP[0]() > TRIM_FREE_BYTES:
-            _HEAP[1](0)
+        if _TRIM is not None and _anon_bytes() - _anon_at_trim > TRIM_GROWTH_BYTES:
+            _TRIM(0)
+            _anon_at_trim = _anon_bytes()
 
 
 def split(streams: int, workers: int) -> list[range]:
