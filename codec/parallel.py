@@ -96,10 +96,21 @@ def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_
     # (a Llama-3-8B-shaped stream's tables are ~11 MB; every worker holding all of them cost
     # ~0.7 GB a worker, docs/benchmarks.md "bench scale").
     for prof in known:
-        runs = split(2 * prof.layers, workers)
-        if index < len(runs):
-            for level in warm_levels:
-                decoder.for_profile(prof).warm(level, runs[index])
+        for coded in _coded_layer_sets(prof):
+            runs = split(2 * coded.layers, workers)
+            if index < len(runs):
+                for level in warm_levels:
+                    decoder.for_profile(coded).warm(level, runs[index])
+
+
+def _coded_layer_sets(prof: Profile) -> list[Profile]:
+    """The profiles a worker's chunks come coded with: the whole, and for a hybrid model the
+    subset of its full-attention layers too (a chunk before the last window holds those only:
+    codec.layout), whose decoder keeps step tables of its own. A subset's entropy models are
+    its whole's (Profile.subset), so warming it builds only what the split gives this worker
+    beyond its share of the whole."""
+    full = tuple(i for i, w in enumerate(prof.layer_windows) if w is None)
+    return [prof] if len(full) in (0, prof.layers) else [prof, prof.subset(full)]
 
 
 def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: range) -> None:

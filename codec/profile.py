@@ -156,9 +156,18 @@ class Profile:
                 f"{self.model_id} (L={self.layers} H={self.heads} D={self.head_dim})")
 
     # -- what the coder uses -----------------------------------------------------------
+    def _owner(self, layer: int) -> tuple["Profile", int]:
+        """Where layer `layer`'s tables are kept: a subset's are its whole profile's (the same
+        numbers, built once, whichever layer subsets chunks come in), at the whole's index."""
+        whole = self._derived.get("whole")
+        return (self, layer) if whole is None else (whole, self.layer_indices[layer])
+
     def basis(self, layer: int, kv: int) -> torch.Tensor:
         """Orthonormal bases [blocks, b, b] of one stream (stored fp16, re-orthonormalised in
         float64 so the encoder's rotation and the decoder's inverse match exactly)."""
+        owner, layer = self._owner(layer)
+        if owner is not self:
+            return owner.basis(layer, kv)
         key = (layer, kv)
         if key not in self._basis:
             b = torch.from_numpy(self.tensors["pca_basis"][layer, kv].astype(np.float64))
@@ -170,6 +179,9 @@ class Profile:
     def models(self, kind: str, layer: int, kv: int, step: float) -> ComponentModels:
         """constriction entropy models of one (layer, K/V) for kind 'pca' (step per stream),
         or 'anchor' / 'delta' (step as a multiple of each channel's standard deviation). Cached."""
+        owner, layer = self._owner(layer)
+        if owner is not self:
+            return owner.models(kind, layer, kv, step)
         key = (kind, layer, kv, float(step))
         if key not in self._models:
             self._models[key] = build_models(*self._model_inputs(kind, layer, kv, step))
@@ -177,6 +189,9 @@ class Profile:
 
     def rans_models(self, layer: int, kv: int, step: float) -> RansModels:
         """The same distributions as models('pca', ...), as lane rANS's integer tables. Cached."""
+        owner, layer = self._owner(layer)
+        if owner is not self:
+            return owner.rans_models(layer, kv, step)
         key = ("rans", layer, kv, float(step))
         if key not in self._models:
             halves, dists = component_probs(*self._model_inputs("pca", layer, kv, step))

@@ -86,6 +86,32 @@ def test_select_is_the_decoded_rows_and_names_its_layers(hybrid_profile):
         codec.Decoder(hybrid_profile).decode(cut)
 
 
+def test_a_layer_subset_codes_with_its_whole_profiles_tables(hybrid_profile):
+    """A cut chunk's profile (Profile.subset) keeps no tables of its own: its entropy models and
+    bases are the whole profile's, at the whole's layer index, built once for both."""
+    step = float(codec.levels.get("fast").steps(hybrid_profile)[3, 1])
+    sub = hybrid_profile.subset((1, 3))
+    assert sub.rans_models(1, 1, step) is hybrid_profile.rans_models(3, 1, step)
+    assert sub.basis(0, 0) is hybrid_profile.basis(1, 0)
+    assert sub.models("pca", 1, 0, step) is hybrid_profile.models("pca", 3, 0, step)
+    assert not sub._models and not sub._basis
+
+
+def test_pool_workers_come_warm_for_chunks_before_the_window(hybrid_profile):
+    """A hybrid profile's workers warm the full-attention subset's share too: the first chunk
+    cut to those layers builds no entropy model in any worker, and decodes as codec.decode does."""
+    from codec.parallel import CodecPool
+
+    cut = codec.select_layers(codec.encode(hybrid_kv(CHUNK, 3), "fast", hybrid_profile, start=4096), (1, 3))
+    with CodecPool(3, profile_paths=(hybrid_profile.path,), warm_levels=("fast",)) as pool:
+        # streams of the whole (2 x layer + K/V): the whole's 8 split 3/3/2, and the cut's 4 (layers
+        # 1 and 3) split 2/1/1, which gives workers 0 and 1 a stream beyond their share of the whole
+        warm = pool.streams_with_tables(hybrid_profile)
+        assert warm == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7]]
+        assert torch.equal(pool.decode(cut), codec.decode(cut))
+        assert pool.streams_with_tables(hybrid_profile) == warm
+
+
 def test_a_damaged_layer_list_is_refused(hybrid_profile):
     cut = bytearray(codec.select_layers(codec.encode(hybrid_kv(64, 1), "high", hybrid_profile, start=0), (0, 2)))
     pos = bs._FIXED.size
