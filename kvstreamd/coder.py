@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -24,6 +26,42 @@ PRIOR_MBPS_PER_WORKER = 140.0
 PRIOR_GPU_MBPS = 2000.0
 
 
+class _Shares:
+    """Each running decode's share of the wall clock: the integral of dt / (decodes running)
+    over its run. Overlapping decodes (a fetch keeps two in flight, other fetches add theirs)
+    then add up to the pool's throughput, where their wall times would each count the others'
+    work; a decode alone gets its wall time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[int, float] = {}
+        self._t = time.perf_counter()
+        self._next = 0
+
+    def _advance(self) -> None:
+        now = time.perf_counter()
+        if self._running:
+            d = (now - self._t) / len(self._running)
+            for k in self._running:
+                self._running[k] += d
+        self._t = now
+
+    @contextmanager
+    def timed(self) -> Iterator[list[float]]:
+        """with shares.timed() as share: ...; share[0] is the block's share once it has left."""
+        share = [0.0]
+        with self._lock:
+            self._advance()
+            key = self._next = self._next + 1
+            self._running[key] = 0.0
+        try:
+            yield share
+        finally:
+            with self._lock:
+                self._advance()
+                share[0] = self._running.pop(key)
+
+
 class Coder:
     def __init__(self, workers: int, profile_path: Path | None = None,
                  warm_levels: tuple[str, ...] = codec_levels.LADDER) -> None:
@@ -38,6 +76,7 @@ class Coder:
         self._samples = 0
         self._gpu_mbps = PRIOR_GPU_MBPS
         self._gpu_samples = 0
+        self._shares = _Shares()  # what the CPU decodes' rate is measured in
 
     def profile_for(self, model_id: str) -> Profile:
         """The configured profile if it is for model_id, else the shipped one; CodecError if none."""
@@ -86,12 +125,12 @@ class Coder:
             raise CodecError(f"unknown level {level!r}")
         if scheme.kind == "baseline":
             return baselines.SCHEMES[level].decode(payload)
-        t0 = time.perf_counter()
         try:
-            kv = self.pool.decode(payload)
+            with self._shares.timed() as share:
+                kv = self.pool.decode(payload)
         except WorkerLost as e:  # twice: the fetch takes this chunk as TEXT, as for one that does not decode
             raise CodecError(f"decoding it cost a codec worker: {e}") from e
-        self.observe(kv.numel() * 2 / 1e6, time.perf_counter() - t0)
+        self.observe(kv.numel() * 2 / 1e6, share[0])
         return kv
 
     def decode_into(self, level: str, payload: bytes | memoryview, out: torch.Tensor, segment: str,
@@ -105,12 +144,12 @@ class Coder:
                 raise CodecError(f"chunk is {list(kv.shape)}, its destination {list(out.shape)}")
             out.copy_(kv)
             return
-        t0 = time.perf_counter()
         try:
-            self.pool.decode_into(payload, out, segment, base)
+            with self._shares.timed() as share:
+                self.pool.decode_into(payload, out, segment, base)
         except WorkerLost as e:
             raise CodecError(f"decoding it cost a codec worker: {e}") from e
-        self.observe(out.numel() * 2 / 1e6, time.perf_counter() - t0)
+        self.observe(out.numel() * 2 / 1e6, share[0])
 
     def close(self) -> None:
         self.pool.close()

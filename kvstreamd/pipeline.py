@@ -41,6 +41,7 @@ from .store import Store
 log = logging.getLogger("kvstreamd.pipeline")
 
 QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
+DECODE_DEPTH = 2  # chunks decoding at once
 STALL_S = 2.0  # [fetch] stall_s: seconds of silence after which a peer has stalled a fetch
 # A peer that stalled is left out of lookups for COOLDOWN_STALLS * stall_s, doubled for each
 # stall in a row (a fetch it completes resets that), at most COOLDOWN_MAX_S.
@@ -85,6 +86,25 @@ def plan(store: Store, directory: Directory, model_id: str, tokens: list[int], c
                 found = max([local, *peers.values()])
                 break
     return Plan(keys, bounds, local, found, peers)
+
+
+class _Busy:
+    """The seconds during which at least one of a stage's overlapping jobs ran (`with busy:`)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._active = 0
+        self._since = 0.0
+
+    def __enter__(self) -> None:
+        if not self._active:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def __exit__(self, *exc) -> None:
+        self._active -= 1
+        if not self._active:
+            self.total += time.perf_counter() - self._since
 
 
 @dataclass
@@ -297,30 +317,49 @@ class FetchJob:
     # -- stage 2: decode ---------------------------------------------------------------------
 
     async def _decode(self, inp: asyncio.Queue, out: asyncio.Queue) -> None:
-        busy = 0.0
-        while (item := await inp.get()) is not None:
-            if item.kind == "kv":
-                t = time.perf_counter()
-                try:
-                    if self.stages is not None and catalog.get(item.level).kind == "level":
-                        item.kv = await asyncio.to_thread(self._decode_on_device, item)
-                    elif (dest := self._destination(item.i)) is not None:
-                        await asyncio.to_thread(self.coder.decode_into, item.level, item.payload, dest, *self.segment)
-                        item.filled = True
-                    else:
-                        item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
-                        self._check_shape(item)
-                except CodecError as e:
-                    why = f"chunk {item.i} from {item.source} does not decode ({e}); recompute it"
-                    log.warning(why)
-                    self.result.errors.append(why)
-                    self.metrics.error("decode")
-                    item.kind, item.level, item.error, item.kv = "text", TEXT, str(e), None
-                busy += time.perf_counter() - t
-                item.payload = None
-            await out.put(item)
-        self.result.stage_s["decode"] = busy
+        """Up to DECODE_DEPTH chunks decode at once (the workers take a chunk's streams between
+        them, so one chunk alone leaves them idle while the daemon hands it over and collects
+        it); the fill stage takes them in order."""
+        slots = asyncio.Semaphore(1 if self.stages is not None else DECODE_DEPTH)  # CUDA stages: one at a time
+        busy = _Busy()
+        tasks: list[asyncio.Task] = []
+        try:
+            while (item := await inp.get()) is not None:
+                await slots.acquire()
+                task = asyncio.ensure_future(self._decode_one(item, slots, busy))
+                tasks.append(task)
+                await out.put(task)
+                tasks = [t for t in tasks if not t.done()]
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        self.result.stage_s["decode"] = busy.total
         await out.put(None)
+
+    async def _decode_one(self, item: _Item, slots: asyncio.Semaphore, busy: "_Busy") -> _Item:
+        try:
+            if item.kind == "kv":
+                with busy:
+                    try:
+                        if self.stages is not None and catalog.get(item.level).kind == "level":
+                            item.kv = await asyncio.to_thread(self._decode_on_device, item)
+                        elif (dest := self._destination(item.i)) is not None:
+                            await asyncio.to_thread(self.coder.decode_into, item.level, item.payload, dest, *self.segment)
+                            item.filled = True
+                        else:
+                            item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
+                            self._check_shape(item)
+                    except CodecError as e:
+                        why = f"chunk {item.i} from {item.source} does not decode ({e}); recompute it"
+                        log.warning(why)
+                        self.result.errors.append(why)
+                        self.metrics.error("decode")
+                        item.kind, item.level, item.error, item.kv = "text", TEXT, str(e), None
+                item.payload = None
+            return item
+        finally:
+            slots.release()
 
     def _destination(self, i: int) -> torch.Tensor | None:
         """Where in the buffer chunk i can be decoded to directly: the token range of the one
@@ -385,7 +424,8 @@ class FetchJob:
 
     async def _fill(self, inp: asyncio.Queue, emit: Callable[[events.Event], Awaitable[None]]) -> None:
         busy = 0.0
-        while (item := await inp.get()) is not None:
+        while (task := await inp.get()) is not None:
+            item = await task
             s, e = self.plan.bounds[item.i]
             if item.kind == "kv" and not item.filled:
                 t = time.perf_counter()

@@ -601,3 +601,27 @@ async def test_a_fetch_for_a_level_the_node_does_not_store_is_answered_with_text
     finally:
         conn.close()
     assert [type(m).__name__ for m in got] == ["Text", "Text", "Text"]
+
+
+def test_overlapping_decodes_share_the_clock_they_ran_in(monkeypatch):
+    """The decode rate a host tells senders counts each decode's share of the time (dt over
+    the decodes running), so two chunks decoding at once do not each claim the whole span:
+    their shares add up to the span, and a decode alone gets its wall time."""
+    from kvstreamd import coder
+
+    clock = [0.0]
+    monkeypatch.setattr(coder.time, "perf_counter", lambda: clock[0])
+    shares = coder._Shares()
+    a = shares.timed()
+    sa = a.__enter__()
+    clock[0] = 1.0
+    b = shares.timed()
+    sb = b.__enter__()
+    clock[0] = 3.0
+    a.__exit__(None, None, None)
+    clock[0] = 4.0
+    b.__exit__(None, None, None)
+    assert (sa[0], sb[0]) == (2.0, 2.0)  # a: 1 alone + 2 shared; b: 2 shared + 1 alone
+    with shares.timed() as alone:
+        clock[0] = 6.5
+    assert alone[0] == 2.5
