@@ -161,7 +161,7 @@ class PeerConnection(asyncio.Protocol):
         call = self._calls.pop(req, None)
         if call is None:
             return
-        call.finish(None, error or FetchCancelled("cancelled", "cancelled by this side", req))
+        call.finish(None, error or FetchCancelled("cancelled", "cancelled by this side", req), drop=True)
         if self.conn.state is State.READY:
             self.conn.send(Cancel(req), self._loop.time())
             self._flush()

@@ -174,12 +174,16 @@ class FetchCall:
         self._moved = self._clock()
         self._items.put_nowait(msg)
 
-    def finish(self, end: End | None, error: FetchError | None) -> None:
-        """The request is over: END "ok" (error None), or `error`. A fetch that did not end
-        "ok" drops what it holds; the connection has already stopped counting it."""
+    def finish(self, end: End | None, error: FetchError | None, drop: bool = False) -> None:
+        """The request is over: END "ok" (error None), or `error`. The chunks that arrived
+        before the ending are still yielded, then the error raised: each was checked and
+        acknowledged, and a peer that ends with NOT_FOUND for chunk i has sent the chunks
+        before it (the fetcher then knows i for the one lost). `drop`: the error comes at once
+        instead (this side cancelled). The connection has already stopped counting them
+        (taking one is then a no-op)."""
         if error is not None:
             self._final = error
-            while not self._items.empty():
+            while drop and not self._items.empty():
                 self._items.get_nowait()
         self.end = end
         self._items.put_nowait(None)
