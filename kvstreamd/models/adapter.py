@@ -190,14 +190,13 @@ def cache_from_kv(kv: torch.Tensor | PrefixKV, dtype: torch.dtype | None = None,
     from transformers import DynamicCache
 
     prefix = kv if isinstance(kv, PrefixKV) else _dense_prefix(kv)
+    if copy or not all(p.kv.dtype == (dtype or p.kv.dtype) and p.kv.permute(0, 1, 3, 2, 4).is_contiguous()
+                       for p in prefix.parts):
+        prefix = prefix.copy_heads_first(dtype=dtype)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     per_layer = {}
     for part in prefix.parts:
-        L, _, T, H, D = part.kv.shape
-        heads_first = part.kv.permute(0, 1, 3, 2, 4)
-        if copy or heads_first.dtype != (dtype or part.kv.dtype) or not heads_first.is_contiguous():
-            heads_first = torch.empty((L, 2, H, T, D), dtype=dtype or part.kv.dtype, device=part.kv.device)
-            heads_first.copy_(part.kv.permute(0, 1, 3, 2, 4))
+        heads_first = part.kv.permute(0, 1, 3, 2, 4)  # [L, 2, H, T, D], contiguous
         for j, layer in enumerate(part.layers):
             per_layer[layer] = (part.start, heads_first[j])
     for layer in range(len(per_layer)):
