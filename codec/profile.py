@@ -145,6 +145,13 @@ class Profile:
     def base_step(self) -> np.ndarray:
         return self.tensors["base_step"]
 
+    def set_sensitivity(self, sensitivity: np.ndarray) -> None:
+        """Take a new sensitivity [L, 2] (KL per unit of per-element squared error of each
+        stream) and the base steps it sets at the profile's kl_budget; the profile's id changes."""
+        self.tensors["sensitivity"] = np.asarray(sensitivity, np.float32).reshape(self.layers, 2)
+        self.tensors["base_step"] = quantize.equal_slope_steps(self.tensors["sensitivity"], float(self.meta["kl_budget"]))
+        self._id = None
+
     def component_steps(self, layer: int, kv: int, step: float) -> torch.Tensor:
         """[C] float32: the step of each PCA component of a stream whose header step is `step`."""
         return torch.from_numpy(self.tensors["pca_step_scale"][layer, kv].astype(np.float64) * step).to(torch.float32)
@@ -411,12 +418,12 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, sensitivity: 
             t["delta_sigma"][layer, kv] = dsig.numpy()
             t["anchor_cdf"][layer, kv] = _pooled_cdf(a / asig)
             t["delta_cdf"][layer, kv] = _pooled_cdf(d / dsig)
-    t["sensitivity"] = np.asarray(sensitivity, np.float32).reshape(L, 2)
-    t["base_step"] = quantize.equal_slope_steps(t["sensitivity"], kl_budget)
     t["rope_inv_freq"] = inv_freq
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "model_id": model_id, "num_layers": L,
             "num_kv_heads": H, "head_dim": D, "rope_theta": rope_theta, "rope": rope_info or [],
             "unrotate_keys": unrotate_keys, "layer_windows": windows, "sink_tokens": sink_tokens,
             "anchor_group": anchor_group, "kl_budget": kl_budget, "source": source,
             "calibration_tokens": int(sum(s.shape[2] for s, _ in samples))}
-    return Profile(meta, t)
+    prof = Profile(meta, t)
+    prof.set_sensitivity(sensitivity)
+    return prof

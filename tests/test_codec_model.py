@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,13 +102,50 @@ def test_calibration_makes_a_working_profile(lm, tmp_path):
     loaded = codec.Profile.load(path)
     assert loaded.id == prof.id
     assert (loaded.tensors["sensitivity"] > 0).all()
-    assert "level scales tuned on valid.txt of wikitext, legal, code" in loaded.meta["source"]
+    assert "stream sensitivity (codec error, worst kind) and level scales on valid.txt of wikitext, legal, code" \
+        in loaded.meta["source"]
     scales = loaded.meta["level_scales"]
     assert scales["high"] < scales["balanced"] < scales["fast"]
     w = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
     _, kv = models.prefill(lm, w, all_logits=False)
     out = codec.decode(codec.encode(kv, "balanced", loaded), loaded)
     assert (out - kv).abs().mean() < 0.2 * kv.abs().mean()
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.fixture(scope="module")
+def short_cases(lm):
+    return calibrate.tuning_cases(lm, texts=("wikitext", "legal"), contexts=1, tokens=192, continuation=24, log=quiet)
+
+
+def test_codec_sensitivity_prices_each_stream_on_its_worst_kind(lm, shipped, short_cases, monkeypatch):
+    monkeypatch.setattr(calibrate, "SENSITIVITY_FLOOR", 0.0)
+    each = [calibrate.codec_sensitivity(lm, shipped, {kind: c}, log=quiet) for kind, c in short_cases.items()]
+    both = calibrate.codec_sensitivity(lm, shipped, short_cases, log=quiet)
+    assert both.shape == (30, 2) and (both >= 0).all()
+    assert np.allclose(both, np.maximum(*each))
+    assert (each[0] > each[1]).any() and (each[1] > each[0]).any()  # neither kind is the worst everywhere
+
+
+def test_codec_sensitivity_follows_what_an_error_costs_the_model(lm, shipped, short_cases):
+    """Four times layer 0's output projection: an error in layer 0's values reaches the
+    residual stream four times as large, so its KL per unit error grows ~16x against the rest."""
+    cases = {"wikitext": short_cases["wikitext"]}
+    before = calibrate.codec_sensitivity(lm, shipped, cases, log=quiet)
+    o_proj = calibrate.decoder_layers(lm.model)[0].self_attn.o_proj
+    with torch.no_grad():
+        o_proj.weight.mul_(4)
+    try:
+        louder = calibrate.tuning_cases(lm, texts=("wikitext",), contexts=1, tokens=192, continuation=24, log=quiet)
+        after = calibrate.codec_sensitivity(lm, shipped, louder, log=quiet)
+    finally:
+        with torch.no_grad():
+            o_proj.weight.div_(4)
+    share = lambda s: s[0, 1] / np.median(s)  # noqa: E731
+    assert share(after) > 4 * share(before)
 
 
 def test_bench_codec_command_writes_its_json(tmp_path):

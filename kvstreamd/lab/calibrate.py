@@ -31,6 +31,14 @@ LEVEL_KL_TARGETS = {name: round(KL_MARGIN * floor, 6) for name, floor in LEVEL_K
 # not what the daemon stores.
 TUNING_TEXTS = tuple(corpus.KINDS)
 TUNING_CONTEXTS, TUNING_TOKENS, TUNING_CONTINUATION = 3, 3072, 256
+# The sensitivity that finally sets each stream's step is measured with the codec's own error,
+# on the tuning text of every kind, at this level's default scale (between high and fast).
+# Gaussian noise on WikiText alone ranks the streams for WikiText only: on the licence text an
+# error in the first layers' values costs 5-20x more KL (docs/benchmarks.md).
+PROBE_LEVEL = "balanced"
+# A stream's sensitivity is at least this share of the mean: a KL of ~1e-5 is mostly noise, and
+# a stream priced at nothing would get a step that wipes it out.
+SENSITIVITY_FLOOR = 0.02
 
 
 def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = 1024) -> tuple[torch.Tensor, int]:
@@ -73,6 +81,34 @@ def measure_sensitivity(lm, cases: list[tuple[torch.Tensor, list[int], torch.Ten
             out[layer, k_or_v] = float(np.mean(ratios))
         log(f"  layer {layer:2d}: K {out[layer, 0]:.3g}  V {out[layer, 1]:.3g}  (KL per unit MSE)")
     return out
+
+
+def codec_sensitivity(lm, profile, cases: dict[str, list], log: Callable[[str], None] = print) -> np.ndarray:
+    """[L, 2]: each (layer, K/V) stream's sensitivity as equal_slope_steps reads it (KL per unit
+    of step^2 / 12, the error a uniform quantizer of that step adds), measured with the codec's
+    own error: every chunk coded at PROBE_LEVEL's default scale on the profile's base steps, the
+    stream's KL taken with it alone decoded and every other stream exact, on the kind of text
+    where that stream costs most. The step's nominal error, not the measured one, is the unit,
+    so a stream whose weak components the step zeroes is priced by what its step costs.
+    `cases`: kind -> [(kv, continuation, exact logits)], as tuning_cases gives."""
+    lv = dataclasses.replace(LEVELS[PROBE_LEVEL], name=f"{PROBE_LEVEL}-probe")  # the level's default scale
+    nominal = (lv.steps(profile).astype(np.float64)) ** 2 / 12
+    per_kind = {}
+    for kind, kind_cases in cases.items():
+        kl = np.zeros((profile.layers, 2))
+        for kv, cont, ref in kind_cases:
+            dec, _ = chunked_roundtrip(kv, lv, profile)
+            for layer in range(profile.layers):
+                for k_or_v in range(2):
+                    mixed = kv.clone()
+                    mixed[layer, k_or_v] = dec[layer, k_or_v]
+                    kl[layer, k_or_v] += quality.kl(ref, models.continuation_logits(lm, mixed, cont)) / len(kind_cases)
+        per_kind[kind] = kl / nominal
+        top = np.argsort(kl.ravel())[::-1][:3]
+        costly = ", ".join(f"{'KV'[i % 2]}{i // 2} {kl.ravel()[i]:.2g}" for i in top)
+        log(f"  {kind}: KL of each stream alone sums to {kl.sum():.5f}; most: {costly}")
+    worst = np.max(np.stack(list(per_kind.values())), axis=0)
+    return np.maximum(worst, SENSITIVITY_FLOOR * worst.mean())
 
 
 def channel_weights(lm, windows: list[list[int]], sink_tokens: int) -> np.ndarray:
@@ -191,9 +227,13 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
               sensitivity: np.ndarray | None = None, texts=TUNING_TEXTS, tuning_contexts: int = TUNING_CONTEXTS,
               tuning_tokens: int = TUNING_TOKENS, tuning_continuation: int = TUNING_CONTINUATION,
               log: Callable[[str], None] = print) -> profiles.Profile:
-    """The whole calibration. `sensitivity` reuses an earlier measurement (the slow part). The
-    statistics come from WikiText's split; the level scales are tuned on `tuning_contexts` x
-    `tuning_tokens` (+ `tuning_continuation`) tokens of each kind of text in `texts`."""
+    """The whole calibration. The statistics come from WikiText's split. Each stream's
+    sensitivity is measured twice: with Gaussian noise on WikiText (a first ranking, which sets
+    the steps the second measurement codes at), then with the codec's own error on the tuning
+    text of each kind in `texts` (codec_sensitivity: what sets the shipped steps). The level
+    scales are then tuned on that text: `tuning_contexts` x `tuning_tokens` (+
+    `tuning_continuation`) tokens of each kind. `sensitivity` reuses an earlier profile's final
+    measurement (the slow part) and skips both."""
     windows = corpus.windows(lm.tokenizer, split, contexts, tokens + continuation)
     sensitivity_tokens = min(sensitivity_tokens, tokens)  # a short calibration measures on what it has
     samples, cases = [], []
@@ -205,8 +245,9 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
             kvs = kv[:, :, :sensitivity_tokens].clone()
             cont = w[sensitivity_tokens:sensitivity_tokens + continuation]
             cases.append((kvs, cont, models.continuation_logits(lm, kvs, cont)))
-    if sensitivity is None:
-        log("measuring sensitivity of each (layer, K/V) stream")
+    measured = sensitivity is None
+    if measured:
+        log("measuring sensitivity of each (layer, K/V) stream to Gaussian noise (a first ranking)")
         sensitivity = measure_sensitivity(lm, cases, sink_tokens, log)
     log("measuring channel weights (query energy per rotary pair, o_proj column norms)")
     weights = channel_weights(lm, [w[:tokens] for w in windows[:2]], sink_tokens)
@@ -218,12 +259,16 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
                         unrotate_keys=lm.rotary.invertible, rope_info=lm.rotary.info,
                         layer_windows=lm.layer_windows, sensitivity=sensitivity, channel_weight=weights,
                         sink_tokens=sink_tokens,
-                        source=f"wikitext-2 {split}.txt, {contexts} x {tokens} tokens; level scales tuned on "
-                               f"{split}.txt of {', '.join(texts)}, {tuning_contexts} x {tuning_tokens} tokens each")
-    log(f"tuning level scales on {', '.join(texts)}")
+                        source=f"wikitext-2 {split}.txt, {contexts} x {tokens} tokens; stream sensitivity "
+                               f"(codec error, worst kind) and level scales on {split}.txt of {', '.join(texts)}, "
+                               f"{tuning_contexts} x {tuning_tokens} tokens each")
     tuning = tuning_cases(lm, split, texts, tuning_contexts, tuning_tokens, tuning_continuation, log)
+    if measured:
+        log(f"measuring each stream's sensitivity to the codec's own error on {', '.join(texts)}")
+        prof.set_sensitivity(codec_sensitivity(lm, prof, tuning, log))
+    log(f"tuning level scales on {', '.join(texts)}")
     prof.meta["level_scales"] = tune_levels(lm, prof, tuning, log)
-    prof._id = None
+    prof._id = None  # meta changed
     log("measuring each level's Δppl (the costs the sender's level choice weighs for this model)")
     prof.meta["level_dppl"] = level_costs(lm, prof, [c for kind in tuning.values() for c in kind], log)
     prof._id = None
