@@ -150,6 +150,17 @@ def test_adaptive_rule_sends_text_when_recompute_beats_a_slow_link_at_no_quality
     assert choice.level == TEXT and "Δppl 0.00%" in choice.reason
 
 
+@pytest.mark.parametrize("high_dppl,level", [(0.08, "high"), (0.29, "high"), (0.31, TEXT), (1.0, TEXT)])
+def test_recompute_wins_only_by_more_than_the_noise_of_the_measured_costs(high_dppl, level):
+    # 100 Mbit/s, a 60 s deadline: every plan fits, recompute included; the levels below
+    # high cost more than it, so the choice is high or TEXT
+    costs = {**DPPL, "high": high_dppl, "balanced": high_dppl + 0.5, "fast": high_dppl + 2, "int8": high_dppl + 0.1,
+             "fp16": high_dppl + 0.1}
+    s = situation(4, mbit(100), 60.0)
+    choice = adaptive_rule(Situation(s.bandwidth, s.sizes, s.work_s, costs, s.deadline_s))
+    assert choice.level == level, choice.reason
+
+
 def test_adaptive_rule_after_a_lost_deadline_finishes_at_the_best_quality():
     assert DPPL[adaptive_rule(situation(4, mbit(100), -1.0)).level] == 0.0
 

@@ -14,6 +14,11 @@ TEXT = "text"  # the token ids, for the receiver to recompute
 # Each level's quality cost (Δppl %) is data the caller passes in (Situation.dppl): it is
 # measured per model and kept in codec.catalog, not here.
 
+# Δppl points within which a plan counts as good as the best fitting one when it recomputes
+# fewer chunks: the measured costs are that noisy (a few thousand scored tokens; see
+# codec.catalog), and recompute takes the receiver's compute, which is what kvstreamd saves.
+NEAR_LOSSLESS_DPPL = 0.3
+
 
 @dataclass(frozen=True)
 class Situation:
@@ -128,7 +133,7 @@ def _finish(s: Situation, counts: np.ndarray, bandwidth: float) -> tuple[np.ndar
 
 
 def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimism: float = 2.0,
-                  stress: float = 0.5) -> Choice:
+                  stress: float = 0.5, near: float = NEAR_LOSSLESS_DPPL) -> Choice:
     """kvstreamd's rule: plan all the remaining chunks on a model of the whole pipeline, send
     the first chunk of the best plan, and plan again at the next chunk (model-predictive
     control, as in video bitrate adaptation).
@@ -148,10 +153,11 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
       leans to the slow samples; planning on the slowest recent sample instead made no
       consistent difference on the random traces, so the simpler discount stays.
     - Choice, in three cases:
-      1. Some plan fits the deadline: the least mean Δppl. Among equals, fewer TEXT chunks
-         (a prefill takes the receiver's compute), then the plan that would still finish
-         first if the link fell to `stress` x the planning bandwidth (int8's extra bytes are
-         exposure to a drop).
+      1. Some plan fits the deadline: of those within `near` Δppl points of the best one,
+         the fewest TEXT chunks (a prefill takes the receiver's compute, and an exact
+         recompute is no better than a level whose measured cost is within noise of 0), then
+         the least mean Δppl, then the plan that would still finish first if the link fell
+         to `stress` x the planning bandwidth (int8's extra bytes are exposure to a drop).
       2. None fits, but one would at `optimism` x the smoothed bandwidth: the deadline can
          still be met if the link speeds up, so the fastest plan (least Δppl among equals).
       3. Not even then: the deadline is lost and lower quality cannot save it, so the least
@@ -167,7 +173,8 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
     done, order = _finish(s, counts, safe)
     fits = done <= s.deadline_s
     if fits.any():
-        keys = (_finish(s, counts, safe * stress)[0], texts, quality)
+        fits &= quality <= quality[fits].min() + near
+        keys = (_finish(s, counts, safe * stress)[0], quality, texts)
         verdict = "fits"
     elif (_finish(s, counts, s.bandwidth * optimism)[0] <= s.deadline_s).any():
         fits[:], keys, verdict = True, (quality, done), "behind, fastest plan"
