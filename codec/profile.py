@@ -29,6 +29,7 @@ FORMAT_VERSION = 1
 GRID_EXTENT = 24.0  # standard deviations covered by the shape CDF; beyond it, escapes
 GRID_POINTS = 769
 SHIPPED_DIR = Path(__file__).parent / "profiles"
+RETIRED_DIR = SHIPPED_DIR / "retired"
 
 
 def grid() -> np.ndarray:
@@ -300,6 +301,7 @@ STEP_SCALE_RANGE = (1 / 8, 8.0)
 
 # -- the registry decode() consults ----------------------------------------------------
 _registry: dict[bytes, Profile] = {}
+_retired: set[bytes] = set()  # registered to decode what was stored with them, never to encode
 
 
 def register(profile: Profile) -> Profile:
@@ -308,8 +310,13 @@ def register(profile: Profile) -> Profile:
 
 
 def shipped() -> list[Profile]:
-    """The profiles that ship with kvstreamd (codec/profiles/*.kvprofile), registered."""
-    return [register(Profile.load(p)) for p in sorted(SHIPPED_DIR.glob("*.kvprofile"))]
+    """The profiles that ship with kvstreamd, registered: codec/profiles/*.kvprofile, the one
+    each model encodes with (returned), and codec/profiles/retired/*.kvprofile, the ones its
+    models encoded with before, kept only so that the chunks stored with them still decode."""
+    current = [register(Profile.load(p)) for p in sorted(SHIPPED_DIR.glob("*.kvprofile"))]
+    for p in sorted(RETIRED_DIR.glob("*.kvprofile")):
+        _retired.add(register(Profile.load(p)).id)
+    return current
 
 
 def find(profile_id: bytes) -> Profile:
@@ -323,10 +330,10 @@ def find(profile_id: bytes) -> Profile:
 
 def for_model(model_id: str) -> Profile:
     """The shipped (or registered) profile for model_id."""
-    if not any(p.model_id == model_id for p in _registry.values()):
+    if not any(p.model_id == model_id and p.id not in _retired for p in _registry.values()):
         shipped()
     for p in _registry.values():
-        if p.model_id == model_id:
+        if p.model_id == model_id and p.id not in _retired:
             return p
     raise CodecError(f"no codec profile for model {model_id!r}; make one with `kvstreamd profile calibrate`")
 
