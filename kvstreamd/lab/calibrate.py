@@ -98,11 +98,12 @@ def codec_sensitivity(lm, profile, cases: dict[str, list], log: Callable[[str], 
         kl = np.zeros((profile.layers, 2))
         for kv, cont, ref in kind_cases:
             dec, _ = chunked_roundtrip(kv, lv, profile)
+            mixed = kv.clone()  # one copy per case: each stream is swapped in, measured, swapped back
             for layer in range(profile.layers):
                 for k_or_v in range(2):
-                    mixed = kv.clone()
                     mixed[layer, k_or_v] = dec[layer, k_or_v]
                     kl[layer, k_or_v] += quality.kl(ref, models.continuation_logits(lm, mixed, cont)) / len(kind_cases)
+                    mixed[layer, k_or_v] = kv[layer, k_or_v]
         per_kind[kind] = kl / nominal
         top = np.argsort(kl.ravel())[::-1][:3]
         costly = ", ".join(f"{'KV'[i % 2]}{i // 2} {kl.ravel()[i]:.2g}" for i in top)
