@@ -98,11 +98,11 @@ async def test_after_a_codec_worker_is_killed_the_next_put_and_fetch_succeed(inp
 
 async def test_a_put_racing_a_worker_kill_is_stored_or_fails_with_the_real_error(inprocess, small_profile):
     (a,) = await inprocess(["a"])
-    n = 48
+    n = 96  # ~0.5 s of encoding on an idle machine (48 chunks once finished inside the 0.3 s this waited)
     tokens, kv = context(n * CHUNK, seed=4)
     async with client(a) as ca:
         put = asyncio.ensure_future(ca.put(MODEL, tokens, kv))
-        await asyncio.sleep(0.3)  # chunks are being encoded
+        await asyncio.sleep(0.1)  # chunks are being encoded
         assert not put.done()
         os.kill(a.coder.pool.pids()[0], signal.SIGKILL)
         try:
