@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# A C compiler builds the codec's lane rANS library at first use (without one it falls back to a 100x
 	# slower NumPy path); the tests also build the CUDA kernel's source for the host with a C++ compiler.
 	command -v cc >/dev/null && command -v c++ >/dev/null || (apt-get update -q && apt-get install -y -q gcc g++ libc6-dev)
+	# redis-server: the Redis directory's tests start their own on a free port.
+	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: this version's CPU build is on the machine's disk; anything else downloads GBs.

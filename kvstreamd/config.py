@@ -428,8 +428,33 @@ class FetchConfig:
     stall_s: float = _key(2.0, parse=_float(gt=0), reload=True)
 
 
+def _redis_url(value, where, ctx) -> str:
+    if not isinstance(value, str):
+        raise _wrong_type(value, where, 'a string "redis://host:port/db"')
+    if not re.match(r"(redis|rediss|unix)://", value):
+        raise ConfigError(f'{where}: {_show(value)} is not a Redis URL (e.g. "redis://10.0.0.5:6379/0", '
+                          f'"rediss://..." for TLS, "unix:///run/redis/redis.sock")')
+    return value
+
+
+def _address(value, where, ctx) -> str:
+    if value:
+        parse_hostport(value, where)
+    return value
+
+
+@dataclass(frozen=True)
+class DirectoryConfig:
+    backend: str = _key("peers", parse=_choice("peers", "redis"))
+    url: str = _key("redis://127.0.0.1:6379/0", parse=_redis_url)
+    prefix: str = _key("kvstreamd:", parse=_string)
+    address: str = _key("", parse=_address)
+    lease_s: float = _key(10.0, parse=_float(gt=0))
+    idle_s: float = _key(30.0, parse=_float(gt=0), reload=True)
+
+
 _SECTIONS: dict[str, type] = {
-    "node": NodeConfig, "api": ApiConfig, "peer": PeerConfig,
+    "node": NodeConfig, "api": ApiConfig, "peer": PeerConfig, "directory": DirectoryConfig,
     "store": StoreConfig, "codec": CodecConfig, "fetch": FetchConfig,
 }
 
@@ -439,6 +464,7 @@ class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
+    directory: DirectoryConfig = field(default_factory=DirectoryConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
@@ -565,6 +591,9 @@ def _check(cfg: Config, f: str) -> None:
     if p.peers and not p.secret and p.secret_file is None:
         raise ConfigError(f"{f}: [peer] secret: peers are configured but no secret: "
                           "set [peer] secret or [peer] secret_file")
+    if cfg.directory.backend == "redis" and not p.secret and p.secret_file is None:
+        raise ConfigError(f"{f}: [peer] secret: [directory] backend = \"redis\" finds peers but there is no "
+                          "secret to join them with: set [peer] secret or [peer] secret_file")
     if p.retry_max_s < p.retry_min_s:
         raise ConfigError(f"{f}: [peer] retry_max_s: {p.retry_max_s:g} is less than "
                           f"[peer] retry_min_s = {p.retry_min_s:g}")

@@ -25,7 +25,7 @@ from . import config as config_mod
 from .api import make_app
 from .coder import Coder
 from .config import Config, ConfigError
-from .directory import Directory
+from .directory import Directory, PeerDirectory
 from .metrics import Metrics, set_level, setup_logging
 from .node import Node
 from .peers import PeerManager
@@ -56,12 +56,31 @@ def resolve_device(setting: str) -> tuple[torch.device | None, str]:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device()), ""
 
 
+def make_directory(cfg: Config, metrics: Metrics) -> Directory:
+    """The [directory] backend."""
+    if cfg.directory.backend == "redis":
+        from .redis_directory import RedisDirectory  # redis-py only where it is used
+        return RedisDirectory(cfg.directory, metrics)
+    return PeerDirectory(cfg.peer.max_keys_per_peer)
+
+
+def advertised_address(cfg: Config, port: int) -> str:
+    """The "host:port" this node's peers dial it at: [directory] address, else the [peer]
+    listen host (the host name where that is every interface) and the port it listens on."""
+    if cfg.directory.address:
+        return cfg.directory.address
+    host = cfg.peer.listen[0]
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.node_id = cfg.node.id
         self.metrics = Metrics()
-        self.directory = Directory(cfg.peer.max_keys_per_peer)
+        self.directory = make_directory(cfg, self.metrics)
         self.store: Store | None = None
         self.coder: Coder | None = None
         self.peers: PeerManager | None = None
@@ -81,8 +100,8 @@ class Daemon:
         if swept:
             log.info("removed %d shared-memory segments left by dead processes", len(swept))
         self.store = Store(cfg.store.dir, cfg.store.memory_budget, cfg.store.disk_budget,
-                           on_add=lambda keys: self.peers and self.peers.keys_added(keys),
-                           on_remove=lambda keys: self.peers and self.peers.keys_removed(keys))
+                           on_add=lambda keys: self._keys_changed(True, keys),
+                           on_remove=lambda keys: self._keys_changed(False, keys))
         try:
             report = await asyncio.to_thread(self.store.open)
         except OSError as e:
@@ -100,17 +119,25 @@ class Daemon:
         caps = {"levels": list(cfg.codec.levels), "decode_mbps": self.coder.decode_mbps,
                 "recompute_tokens_per_s": cfg.fetch.recompute_tokens_per_s, "version": __version__}
         self.peers = PeerManager(self.node_id, secret, cfg.peer, self.store, self.directory, self.metrics, caps,
-                                 cfg.fetch.recompute_tokens_per_s, lambda mid: self.coder.profile_for(mid))
+                                 cfg.fetch.recompute_tokens_per_s, lambda mid: self.coder.profile_for(mid),
+                                 idle_s=cfg.directory.idle_s)
         try:
             await self.peers.start()
         except OSError as e:
             raise StartupError(f"[peer] listen {cfg.peer.listen[0]}:{cfg.peer.listen[1]}: {e.strerror or e}") from None
+        await self.directory.start(self.node_id, advertised_address(cfg, self.peers.port), self.store.keys)
         self.node = Node(cfg, self.store, self.directory, self.coder, self.peers, self.metrics, gpu, gpu_why)
         await self._start_api()
         self._reaper = asyncio.ensure_future(self._reap_buffers())
         log.info("kvstreamd %s node %s: peers on %s:%d, API on %s", __version__, self.node_id, cfg.peer.listen[0],
                  self.peers.port, cfg.api.socket)
         sdnotify.ready(f"serving; peers on port {self.peers.port}")
+
+    def _keys_changed(self, added: bool, keys: list[bytes]) -> None:
+        """The store took or dropped chunks (from any thread): the directory and the peers hear."""
+        self.directory.changed(added, keys)
+        if self.peers is not None:
+            self.peers.keys_changed(added, keys)
 
     async def _start_api(self) -> None:
         path = Path(self.cfg.api.socket)
@@ -148,6 +175,7 @@ class Daemon:
             self.node.stopping = True  # new fetches are refused from here on
         if self.peers is not None:
             await self.peers.stop()
+        await self.directory.stop()
         if self.node is not None:
             await self.node.cancel_fetches()
         if self._runner is not None:
@@ -193,6 +221,7 @@ class Daemon:
         if secret is not None and secret != self.peers.secret:
             self.peers.secret = secret
         self.peers.cfg = self.cfg.peer
+        self.peers.idle_s = self.cfg.directory.idle_s
         self.peers.set_peers(self.cfg.peer.peers)
         self.peers.recompute_tokens_per_s = self.cfg.fetch.recompute_tokens_per_s
         await asyncio.to_thread(self.store.set_budgets, self.cfg.store.memory_budget, self.cfg.store.disk_budget)

@@ -1,49 +1,96 @@
-"""Which peer holds which chunk keys, fed by each peer's ADVERTISE (a full list on connect,
-then deltas) and WITHDRAW. A lookup answers, per peer, how many leading chunks of a prompt's
-key chain that peer holds; a peer that stalled a fetch is left out of lookups while it cools down."""
+"""Which peers hold which chunk keys. `Directory` is the shape every backend has: a lookup of a
+prompt's key chain (one round trip, answered as `Holders`, which the fetch then plans and works
+from), and the peers that stalled a fetch, left out of lookups while they cool down (this
+node's own judgement, whatever the backend). Backends ([directory] backend):
+
+- `PeerDirectory` ("peers", the default): fed by each connected peer's ADVERTISE (a full list
+  on connect, then deltas) and WITHDRAW; needs nothing, serves a small cluster's full mesh.
+- `redis_directory.RedisDirectory` ("redis"): the same lookups in a Redis server, under a lease
+  each host renews; peers are dialled when a fetch needs them."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 
+class Holders:
+    """Who holds each key of keys[start:], as one lookup found it (a chain lookup stops at the
+    first key nobody holds). Peers cooling down after a stall are left out when asked."""
+
+    def __init__(self, keys: Sequence[bytes], start: int, held: list[set[str]],
+                 cooling: Callable[[str], float | None], addresses: dict[str, str] | None = None) -> None:
+        self.keys = list(keys)
+        self.start = start
+        self._held = held  # held[j]: the holders of keys[start + j]
+        self._cooling = cooling
+        self.addresses = addresses or {}  # node id -> "host:port", where the backend knows it
+
+    def of(self, i: int) -> set[str]:
+        j = i - self.start
+        return self._held[j] if 0 <= j < len(self._held) else set()
+
+    def holders(self, i: int) -> list[str]:
+        return sorted(p for p in self.of(i) if self._cooling(p) is None)
+
+    def longest_prefix(self, start: int) -> dict[str, int]:
+        """Per peer: the index one past the last chunk of the unbroken run keys[start:] it holds.
+        Peers holding nothing there, or cooling down after a stall, are left out."""
+        out: dict[str, int] = {}
+        for peer in self.holders(start):
+            n = start
+            while n < len(self.keys) and peer in self.of(n):
+                n += 1
+            out[peer] = n
+        return out
+
+    def best(self, start: int, exclude: Iterable[str] = ()) -> tuple[str | None, int]:
+        """The peer holding the longest run of keys from `start` (ties: the lowest node id, so
+        every caller picks alike), and where its run ends; (None, start) when none holds it."""
+        skip = set(exclude)
+        runs = sorted((-n, peer) for peer, n in self.longest_prefix(start).items() if peer not in skip)
+        return (runs[0][1], -runs[0][0]) if runs else (None, start)
+
+    def drop(self, peer: str, i: int) -> None:
+        """`peer` said it does not hold chunk i after all."""
+        self.of(i).discard(peer)
+
+
 class Directory:
-    def __init__(self, max_keys_per_peer: int | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_keys_per_peer = max_keys_per_peer  # None: no cap
-        self._held: dict[str, set[bytes]] = {}
+    """The backend-independent part: a lookup's shape, and peers cooling down after a stall."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._cool_until: dict[str, float] = {}  # peer -> clock() until which lookups skip it
         self._stalls: dict[str, int] = {}  # peer -> stalls in a row (a fetch it completes resets it)
 
-    def add(self, peer: str, keys: Iterable[bytes]) -> int:
-        """Keep `keys` as held by `peer`, up to max_keys_per_peer of them; returns how many
-        new keys were refused for the cap (0 when all were kept)."""
-        held = self._held.setdefault(peer, set())
-        cap = self.max_keys_per_peer
-        if cap is None:
-            held.update(keys)
-            return 0
-        refused = 0
-        for key in keys:
-            if key in held:
-                continue
-            if len(held) >= cap:
-                refused += 1
-            else:
-                held.add(key)
-        return refused
+    # -- what a backend provides -----------------------------------------------------------------
 
-    def remove(self, peer: str, keys: Iterable[bytes]) -> None:
-        held = self._held.get(peer)
-        if held is not None:
-            held.difference_update(keys)
+    async def start(self, node_id: str, address: str, held: Callable[[], list[bytes]]) -> None:
+        """Begin publishing this node (reachable at `address`) and the keys `held()` lists."""
 
-    def drop(self, peer: str) -> None:
-        """Forget everything `peer` said (its last connection closed), and that it stalled: a
-        peer that connects again has proved it is there."""
-        self._held.pop(peer, None)
-        self._cool_until.pop(peer, None)
-        self._stalls.pop(peer, None)
+    async def stop(self) -> None:
+        pass
+
+    def changed(self, added: bool, keys: list[bytes]) -> None:
+        """This node's store took (added) or dropped `keys`; called from any thread."""
+
+    async def lookup(self, keys: Sequence[bytes], start: int = 0, chain: bool = True) -> Holders:
+        """The holders of keys[start:] (chain: up to the first key nobody holds; else of every key)."""
+        raise NotImplementedError
+
+    def forget(self, peer: str, keys: Iterable[bytes]) -> None:
+        """`peer` answered that it does not hold `keys` (evicted or damaged since it said so)."""
+
+    def counts(self) -> dict[str, int]:
+        """Keys known to be held, per peer."""
+        return {}
+
+    def fault(self) -> str | None:
+        """Why lookups are not answered in full now (the node is degraded), or None."""
+        return None
+
+    def info(self) -> dict:
+        return {"backend": "peers"}
 
     # -- peers that stalled a fetch ------------------------------------------------------------
 
@@ -71,36 +118,65 @@ class Directory:
             return None
         return left
 
-    # -- lookups (peers cooling down are left out) ---------------------------------------------
+    def _forget_stalls(self, peer: str) -> None:
+        self._cool_until.pop(peer, None)
+        self._stalls.pop(peer, None)
 
-    def _available(self) -> Iterable[tuple[str, set[bytes]]]:
-        return ((peer, held) for peer, held in self._held.items() if self.cooling(peer) is None)
+
+class PeerDirectory(Directory):
+    """The built-in backend: the keys each connected peer ADVERTISEd, until it WITHDRAWs them
+    or its last connection closes (the peers exchange them over their connections)."""
+
+    def __init__(self, max_keys_per_peer: int | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock=clock)
+        self.max_keys_per_peer = max_keys_per_peer  # None: no cap
+        self._held: dict[str, set[bytes]] = {}
+
+    def add(self, peer: str, keys: Iterable[bytes]) -> int:
+        """Keep `keys` as held by `peer`, up to max_keys_per_peer of them; returns how many
+        new keys were refused for the cap (0 when all were kept)."""
+        held = self._held.setdefault(peer, set())
+        cap = self.max_keys_per_peer
+        if cap is None:
+            held.update(keys)
+            return 0
+        refused = 0
+        for key in keys:
+            if key in held:
+                continue
+            if len(held) >= cap:
+                refused += 1
+            else:
+                held.add(key)
+        return refused
+
+    def remove(self, peer: str, keys: Iterable[bytes]) -> None:
+        held = self._held.get(peer)
+        if held is not None:
+            held.difference_update(keys)
+
+    forget = remove
+
+    def drop(self, peer: str) -> None:
+        """Forget everything `peer` said (its last connection closed), and that it stalled: a
+        peer that connects again has proved it is there."""
+        self._held.pop(peer, None)
+        self._forget_stalls(peer)
 
     def holds(self, peer: str, key: bytes) -> bool:
         return key in self._held.get(peer, ())
 
-    def longest_prefix(self, keys: Sequence[bytes], start: int = 0) -> dict[str, int]:
-        """Per peer: the index one past the last chunk of the unbroken run keys[start:] it holds
-        (start itself when it holds keys[start] not at all). Peers holding nothing there, or
-        cooling down after a stall, are left out."""
-        out = {}
-        for peer, held in list(self._available()):
-            n = start
-            while n < len(keys) and keys[n] in held:
-                n += 1
-            if n > start:
-                out[peer] = n
-        return out
+    async def lookup(self, keys: Sequence[bytes], start: int = 0, chain: bool = True) -> Holders:
+        return self.lookup_now(keys, start, chain)
 
-    def best(self, keys: Sequence[bytes], start: int = 0, exclude: Iterable[str] = ()) -> tuple[str | None, int]:
-        """The peer holding the longest run of keys from `start` (ties: the lowest node id, so
-        every caller picks alike), and where its run ends; (None, start) when none holds keys[start]."""
-        skip = set(exclude)
-        runs = sorted((-n, peer) for peer, n in self.longest_prefix(keys, start).items() if peer not in skip)
-        return (runs[0][1], -runs[0][0]) if runs else (None, start)
-
-    def holders(self, key: bytes) -> list[str]:
-        return sorted(peer for peer, held in list(self._available()) if key in held)
+    def lookup_now(self, keys: Sequence[bytes], start: int = 0, chain: bool = True) -> Holders:
+        held: list[set[str]] = []
+        for key in keys[start:]:
+            who = {peer for peer, ks in self._held.items() if key in ks}
+            if chain and not who:
+                break
+            held.append(who)
+        return Holders(keys, start, held, self.cooling)
 
     def counts(self) -> dict[str, int]:
         return {peer: len(keys) for peer, keys in self._held.items()}

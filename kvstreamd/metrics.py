@@ -18,7 +18,7 @@ _SHARE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 # What a node can be degraded by (kvstreamd_degraded{reason}; Node.degraded() says which now).
-DEGRADED = ("codec_workers", "disk_full", "disk_error")
+DEGRADED = ("codec_workers", "disk_full", "disk_error", "directory")
 
 
 def new_request_id() -> str:
@@ -66,7 +66,7 @@ class Metrics:
         self.puts = Counter("kvstreamd_put_chunks", "Chunks offered by local puts, by outcome (stored, already_held, "
                             "memory_only: its file could not be written, refused)", ["outcome"], registry=r)
         self.degraded = Gauge("kvstreamd_degraded", "1 while the node is degraded for this reason (codec_workers: "
-                              "a worker died and is being replaced; disk_full; disk_error)", ["reason"], registry=r)
+                              "a worker died and is being replaced; disk_full; disk_error; directory: Redis unreachable)", ["reason"], registry=r)
         for reason in DEGRADED:
             self.degraded.labels(reason).set(0)
         self.codec_restarts = Counter("kvstreamd_codec_worker_restarts", "Times the codec workers were replaced "

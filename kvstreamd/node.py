@@ -263,7 +263,7 @@ class Node:
         deadline counts from here, so a fetch that waited for a slot has that much less for
         its peers."""
         arrived = time.monotonic()
-        p = plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens)
+        p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens)
         async with self._local_slots if p.found == p.local else self._fetch_slots:
             await self._fetch(req, prof, emit, arrived)
 
@@ -273,7 +273,7 @@ class Node:
         cfg = self.cfg
         tokens, dtype = req.tokens, req.dtype
         # planned again now that it has a slot: what is held may have changed while it waited
-        p = plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens)
+        p = await plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens)
         shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
         parts = layout.fetch_parts(prof.layout, p.found_tokens, cfg.codec.chunk_tokens)
         flat = (layout.parts_numel(parts, p.found_tokens, prof.heads, prof.head_dim),)
@@ -386,9 +386,9 @@ class Node:
 
     # -- what the node holds and knows ---------------------------------------------------------
 
-    def lookup(self, model_id: str, tokens: list[int]) -> dict:
+    async def lookup(self, model_id: str, tokens: list[int]) -> dict:
         self.profile_for(model_id)
-        p = plan(self.store, self.directory, model_id, tokens, self.cfg.codec.chunk_tokens)
+        p = await plan(self.store, self.directory, model_id, tokens, self.cfg.codec.chunk_tokens)
         tok = lambda n: p.bounds[n - 1][1] if n else 0  # noqa: E731
         return {"prompt_tokens": len(tokens), "chunks": len(p.keys), "local_tokens": tok(p.local),
                 "peers": {peer: tok(n) for peer, n in p.peers.items()}, "found_tokens": p.found_tokens}
@@ -416,6 +416,9 @@ class Node:
         disk = self.store.disk_fault()
         if disk is not None:
             out.append({"reason": disk.reason, "message": disk.message})
+        why = self.directory.fault()
+        if why is not None:
+            out.append({"reason": "directory", "message": why})
         return out
 
     def health(self) -> dict:
@@ -456,6 +459,7 @@ class Node:
                 "peers_connected": self.peers.connected(), "fetches_active": len(self._active),
                 "buffers_held": len(self.buffers), "decode_mbps": round(self.coder.decode_mbps, 1),
                 "levels": list(cfg.codec.levels), "chunk_tokens": cfg.codec.chunk_tokens,
+                "directory": self.directory.info(),
                 "health": {"status": "stopping" if self.stopping else "degraded" if faults else "ok",
                            "degraded": faults},
                 "codec": {"workers": self.coder.pool.workers, "restarts": self.coder.pool.restarts,

@@ -1,6 +1,8 @@
 """Peer side of the daemon: the TCP listener, a dialer per configured peer (retried with
-backoff), the exchange of held chunk keys (a full ADVERTISE on connect, deltas after), and the
-serving of peers' FETCHes with per-chunk level choice from the measured link."""
+backoff), connections dialled when a fetch needs a peer the directory named (closed again once
+idle), the exchange of held chunk keys where the directory is the peers' own (a full ADVERTISE
+on connect, deltas after), and the serving of peers' FETCHes with per-chunk level choice from
+the measured link."""
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +23,8 @@ from codec.profile import Profile
 from transport.policy import TEXT, adaptive_rule, fixed_rule
 from transport.send import send_chunks
 
-from .config import PeerConfig
-from .directory import Directory
+from .config import PeerConfig, parse_hostport, ConfigError
+from .directory import Directory, PeerDirectory
 from .metrics import Metrics, new_request_id
 from .store import Store
 
@@ -48,12 +50,13 @@ class PeerState:
 class PeerManager:
     def __init__(self, node_id: str, secret: bytes, cfg: PeerConfig, store: Store, directory: Directory,
                  metrics: Metrics, caps: dict, recompute_tokens_per_s: float,
-                 profile_for: Callable[[str], Profile] | None = None) -> None:
+                 profile_for: Callable[[str], Profile] | None = None, idle_s: float = 30.0) -> None:
         self.node_id = node_id
         self.secret = secret
         self.cfg = cfg
         self.store = store
         self.directory = directory
+        self._gossip = isinstance(directory, PeerDirectory)  # peers tell each other the keys they hold
         self.metrics = metrics
         self.caps = caps
         self.recompute_tokens_per_s = recompute_tokens_per_s
@@ -63,6 +66,11 @@ class PeerManager:
         self.by_node: dict[str, set[aio.PeerConnection]] = {}
         self.configured: dict[tuple[str, int], PeerState] = {}
         self._dialers: dict[tuple[str, int], asyncio.Task] = {}
+        self.idle_s = idle_s  # a connection dialled for a fetch is closed after this long unused
+        self.dialled: dict[str, PeerState] = {}  # node id -> the connection dialled for its fetches
+        self._dialling: dict[str, asyncio.Future] = {}
+        self._last_used: dict[aio.PeerConnection, float] = {}  # dialled connection -> loop time last busy
+        self._reaper: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._deltas: asyncio.Queue[tuple[bool, list[bytes]]] = asyncio.Queue()
         self._broadcaster: asyncio.Task | None = None
@@ -76,7 +84,9 @@ class PeerManager:
                                       on_connect=self._accepted, caps=self.caps,
                                       max_frame_bytes=self.cfg.max_frame_bytes,
                                       handshake_timeout=self.cfg.handshake_timeout_s)
-        self._broadcaster = asyncio.ensure_future(self._broadcast())
+        if self._gossip:
+            self._broadcaster = asyncio.ensure_future(self._broadcast())
+        self._reaper = asyncio.ensure_future(self._close_idle())
         self.set_peers(self.cfg.peers)
 
     @property
@@ -100,8 +110,9 @@ class PeerManager:
     async def stop(self) -> None:
         for t in self._dialers.values():
             t.cancel()
-        if self._broadcaster:
-            self._broadcaster.cancel()
+        for t in (self._broadcaster, self._reaper, *self._dialling.values()):
+            if t is not None:
+                t.cancel()
         if self.server is not None:
             self.server.close()
         for conns in list(self.by_node.values()):
@@ -118,11 +129,11 @@ class PeerManager:
 
     # -- store deltas (called from any thread) ------------------------------------------------
 
-    def keys_added(self, keys: list[bytes]) -> None:
-        self._loop.call_soon_threadsafe(self._deltas.put_nowait, (True, list(keys)))
-
-    def keys_removed(self, keys: list[bytes]) -> None:
-        self._loop.call_soon_threadsafe(self._deltas.put_nowait, (False, list(keys)))
+    def keys_changed(self, added: bool, keys: list[bytes]) -> None:
+        """The store took (added) or dropped `keys`: tell the connected peers, where they keep the
+        directory themselves."""
+        if self._gossip:
+            self._loop.call_soon_threadsafe(self._deltas.put_nowait, (added, list(keys)))
 
     async def _broadcast(self) -> None:
         while True:
@@ -154,6 +165,59 @@ class PeerManager:
 
     def _accepted(self, conn: aio.PeerConnection) -> None:
         self._spawn(self._run_conn(conn, None))
+
+    async def connect_to(self, peer: str, address: str | None = None) -> aio.PeerConnection | None:
+        """A ready connection to `peer`: one there is, or, where the directory gave its address
+        ("host:port"), one dialled now (shared by the fetches that wait for it meanwhile) and
+        closed again once unused for idle_s. None when it cannot be reached."""
+        conn = self.connection(peer)
+        if conn is not None or address is None:
+            return conn
+        dial = self._dialling.get(peer)
+        if dial is None:
+            dial = self._dialling[peer] = asyncio.ensure_future(self._dial_for_fetch(peer, address))
+            dial.add_done_callback(lambda _: self._dialling.pop(peer, None))
+        return await asyncio.shield(dial)
+
+    async def _dial_for_fetch(self, peer: str, address: str) -> aio.PeerConnection | None:
+        state = self.dialled.setdefault(peer, PeerState(address=address, node_id=peer))
+        state.address, state.attempts = address, state.attempts + 1
+        try:
+            host, port = parse_hostport(address, f"the directory's address of {peer}")
+            conn = await asyncio.wait_for(
+                aio.connect(host, port, self.node_id, self.secret, handler=self._serve_fetch, caps=self.caps,
+                            max_frame_bytes=self.cfg.max_frame_bytes, handshake_timeout=self.cfg.handshake_timeout_s),
+                self.cfg.handshake_timeout_s + 5)
+        except (OSError, ConfigError, aio.TransportError, asyncio.TimeoutError) as e:
+            state.last_error = f"{type(e).__name__}: {e}"
+            log.info("peer %s at %s: cannot connect (%s)", peer, address, state.last_error)
+            return None
+        if conn.peer_node_id != peer:
+            state.last_error = f"{address} is node {conn.peer_node_id}, not {peer}"
+            log.warning("peer %s: the directory's address %s answers as node %s; not used", peer, address,
+                        conn.peer_node_id)
+            conn.close("normal", "not the node dialled")
+            return None
+        state.last_error = None
+        self._last_used[conn] = self._loop.time()
+        self._spawn(self._run_conn(conn, state))
+        return conn
+
+    async def _close_idle(self) -> None:
+        """Hang up connections dialled for fetches once unused for idle_s: a node holds only the
+        peer connections it is using."""
+        while True:
+            await asyncio.sleep(min(1.0, self.idle_s / 4))
+            now = self._loop.time()
+            for conn, last in list(self._last_used.items()):
+                if conn.closed is not None:
+                    self._last_used.pop(conn, None)
+                elif conn.busy:
+                    self._last_used[conn] = now
+                elif now - last > self.idle_s:
+                    log.info("peer %s: dialled connection unused for %g s; closed", conn.peer_node_id, self.idle_s)
+                    self._last_used.pop(conn, None)
+                    conn.close("normal", "idle")
 
     async def _dial_loop(self, addr: tuple[str, int]) -> None:
         state = self.configured[addr]
@@ -196,11 +260,14 @@ class PeerManager:
         self.metrics.peers_connected.set(len(self.connected()))
         log.info("peer %s: connected (%s)", peer, conn.conn.role)
         try:
-            keys = self.store.keys()
-            for i in range(0, len(keys), ADVERTISE_BATCH):
-                await conn.send(Advertise(keys[i:i + ADVERTISE_BATCH]))
+            if self._gossip:
+                keys = self.store.keys()
+                for i in range(0, len(keys), ADVERTISE_BATCH):
+                    await conn.send(Advertise(keys[i:i + ADVERTISE_BATCH]))
             over_cap = False
             async for msg in conn:
+                if not self._gossip:
+                    continue  # (the directory is elsewhere: a peer's key lists are not needed)
                 if isinstance(msg, Advertise):
                     refused = self.directory.add(peer, msg.keys)
                     if refused:
@@ -220,7 +287,8 @@ class PeerManager:
             conns.discard(conn)
             if not conns:
                 self.by_node.pop(peer, None)
-                self.directory.drop(peer)
+                if self._gossip:
+                    self.directory.drop(peer)
             if state is not None:
                 state.connected = False
             self.metrics.peers_connected.set(len(self.connected()))
@@ -347,15 +415,19 @@ class PeerManager:
             nid = st.node_id
             seen.add(nid)
             out.append(self._peer_info(nid, st.address, counts, st))
+        for nid, st in self.dialled.items():
+            if nid not in seen:
+                seen.add(nid)
+                out.append(self._peer_info(nid, st.address, counts, st, configured=False))
         for nid in self.by_node:
             if nid not in seen:
                 out.append(self._peer_info(nid, None, counts, None))
         return out
 
-    def _peer_info(self, nid, address, counts, st: PeerState | None) -> dict:
+    def _peer_info(self, nid, address, counts, st: PeerState | None, configured: bool | None = None) -> dict:
         est = self.bandwidth.get(nid).estimate() if nid and nid in self.bandwidth else None
         conn = self.connection(nid) if nid else None
-        return {"node_id": nid, "address": address, "configured": st is not None,
+        return {"node_id": nid, "address": address, "configured": st is not None if configured is None else configured,
                 "connected": conn is not None, "keys": counts.get(nid, 0) if nid else 0,
                 "bandwidth_mbit": round(est * 8 / 1e6, 2) if est else None,
                 "rtt_ms": round(conn.rtt * 1000, 3) if conn is not None and conn.rtt else None,

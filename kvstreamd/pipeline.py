@@ -32,7 +32,7 @@ from transport.policy import TEXT
 from . import events
 from .admission import Refused, Wanted, admit
 from .coder import Coder
-from .directory import Directory
+from .directory import Directory, Holders
 from .metrics import Metrics
 from .peers import PeerManager
 from .keys import chunk_keys, prefix_keys
@@ -60,32 +60,39 @@ class Plan:
     local: int  # chunks [0, local) are in the local store
     found: int  # chunks [0, found) are held somewhere (locally or by a peer)
     peers: dict[str, int]  # peer -> end of its run of chunks from `local`
+    holders: Holders  # who holds each chunk from `local` on, as the directory answered
 
     @property
     def found_tokens(self) -> int:
         return self.bounds[self.found - 1][1] if self.found else 0
 
 
-def plan(store: Store, directory: Directory, model_id: str, tokens: list[int], chunk_tokens: int) -> Plan:
+async def plan(store: Store, directory: Directory, model_id: str, tokens: list[int], chunk_tokens: int) -> Plan:
+    """One lookup of the prompt's key chain (and, where it stops inside a chunk, one of that
+    chunk's shorter lengths)."""
     keys = chunk_keys(model_id, tokens, chunk_tokens)
     bounds = [(i * chunk_tokens, min((i + 1) * chunk_tokens, len(tokens))) for i in range(len(keys))]
     local = store.longest_prefix(keys)
-    peers = directory.longest_prefix(keys, local)
+    held = await directory.lookup(keys, local)
+    peers = held.longest_prefix(local)
     found = max([local, *peers.values()])
     if found < len(keys):
         # A stored context whose last chunk is partial is a prefix of a longer prompt too: try
         # that chunk at every length shorter than the prompt's, longest first (~1 ms of hashing).
         s, e = bounds[found]
         candidates = prefix_keys(keys[found - 1] if found else None, model_id, tokens[s:e - 1])
+        shorter = await directory.lookup(candidates, 0, chain=False)
         for k in range(len(candidates), 0, -1):
             key = candidates[k - 1]
-            if (store.has(key) and local == found) or directory.holders(key):
+            if (store.has(key) and local == found) or shorter.holders(k - 1):
                 keys, bounds = keys[:found] + [key], bounds[:found] + [(s, s + k)]
                 local = store.longest_prefix(keys)
-                peers = directory.longest_prefix(keys, local)
+                run = [held.of(i) for i in range(local, found)] + [shorter.of(k - 1)] if local <= found else []
+                held = Holders(keys, local, run, directory.cooling, {**held.addresses, **shorter.addresses})
+                peers = held.longest_prefix(local)
                 found = max([local, *peers.values()])
                 break
-    return Plan(keys, bounds, local, found, peers)
+    return Plan(keys, bounds, local, found, peers, held)
 
 
 class _Busy:
@@ -219,8 +226,8 @@ class FetchJob:
                 self.result.errors.append(f"chunks {i}..{p.found - 1} {late}: recompute them")
                 self.result.deadline_missed = True
                 break
-            peer, end = self.peers.directory.best(p.keys, i, exclude=failed)
-            conn = self.peers.connection(peer) if peer else None
+            peer, end = p.holders.best(i, exclude=failed)
+            conn = await self.peers.connect_to(peer, p.holders.addresses.get(peer)) if peer else None
             if conn is None:
                 if peer is not None:
                     failed.add(peer)
@@ -278,7 +285,8 @@ class FetchJob:
                 if e.code == NOT_FOUND:
                     # The holder lost chunk i (evicted or damaged) after it advertised it: it sent the
                     # chunks before it and may still serve those after; only chunk i looks elsewhere.
-                    self.peers.directory.remove(peer, [p.keys[i]])
+                    p.holders.drop(peer, i)
+                    self.peers.directory.forget(peer, [p.keys[i]])
                     why = f"peer {peer} no longer holds chunk {i}: {e.msg}"
                     log.info("%s; that chunk comes from another peer or as text", why)
                 else:

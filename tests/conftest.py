@@ -62,8 +62,9 @@ def synthetic_daemon(root, name: str, profile: profiles.Profile, codec: dict | N
 async def inprocess(tmp_path, small_profile):
     """Daemons in this test's event loop (no subprocess, no root): `await inprocess(["a", "b"],
     codec={...})` starts one per name, each with its own store, API socket and peer port on
-    loopback, peered with the others, coding with the small synthetic profile (or the one given
-    as `profile=`). All are stopped at the end."""
+    loopback, peered with the others (not with `peered=False`: a Redis directory finds them),
+    coding with the small synthetic profile (or the one given as `profile=`). All are stopped
+    at the end."""
     from kvstreamd import config as config_mod
     from kvstreamd.daemon import Daemon
     from kvstreamd.lab.daemons import DaemonProcess
@@ -72,7 +73,8 @@ async def inprocess(tmp_path, small_profile):
     small_profile.save(profile_path)
     started: list[Daemon] = []
 
-    async def start(names: list[str], profile: profiles.Profile | None = None, **extra: dict) -> list[Daemon]:
+    async def start(names: list[str], profile: profiles.Profile | None = None, peered: bool = True,
+                    **extra: dict) -> list[Daemon]:
         path = profile_path
         if profile is not None:
             path = tmp_path / f"{profile.id.hex()}.kvprofile"
@@ -81,7 +83,7 @@ async def inprocess(tmp_path, small_profile):
         nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": codec_cfg, **extra}) for n in names]
         daemons = []
         for n in nodes:
-            n.peers = [m.addr for m in nodes if m is not n]
+            n.peers = [m.addr for m in nodes if m is not n] if peered else []
             n.root.mkdir(parents=True, exist_ok=True)
             n.config_path.write_text(n.config_text())
             d = Daemon(config_mod.load(n.config_path))

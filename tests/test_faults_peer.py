@@ -12,7 +12,7 @@ import signal
 import time
 
 from kvstreamd.client import AsyncClient
-from kvstreamd.directory import Directory
+from kvstreamd.directory import PeerDirectory
 from kvstreamd.lab.daemons import DaemonProcess
 from kvstreamd.pipeline import grace_s
 from test_node_fetch import (MODEL, SECRET, ScriptedPeer, client, connected, context, encoded, events_of,
@@ -228,14 +228,15 @@ async def test_a_stalled_peer_is_avoided_for_its_cooldown_then_tried_again(inpro
 
 def test_a_stalled_peers_cooldown_doubles_with_each_stall_in_a_row_and_a_served_fetch_resets_it():
     now = [100.0]
-    d = Directory(clock=lambda: now[0])
+    d = PeerDirectory(clock=lambda: now[0])
     d.add("p", [b"k0", b"k1"])
     d.add("q", [b"k0"])
+    held = d.lookup_now([b"k0", b"k1"])
     assert d.stalled("p", 1.0, 3.0) == 1.0
-    assert d.longest_prefix([b"k0", b"k1"]) == {"q": 1} and d.holders(b"k0") == ["q"]
-    assert d.best([b"k0", b"k1"]) == ("q", 1)
+    assert held.longest_prefix(0) == {"q": 1} and held.holders(0) == ["q"]  # the lookup asks at use
+    assert held.best(0) == ("q", 1)
     now[0] += 1.0
-    assert d.cooling("p") is None and d.longest_prefix([b"k0", b"k1"]) == {"p": 2, "q": 1}
+    assert d.cooling("p") is None and held.longest_prefix(0) == {"p": 2, "q": 1}
     assert [d.stalled("p", 1.0, 3.0) for _ in range(3)] == [2.0, 3.0, 3.0]  # in a row; at most 3
     d.served("p")
     assert d.stalled("p", 1.0, 3.0) == 1.0

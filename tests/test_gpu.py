@@ -247,7 +247,7 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     (what a fetch with device "cuda" gets on a GPU host), here on the CPU: same chunks, same
     events, and a chunk that does not decode becomes TEXT."""
     from kvstreamd.coder import Coder
-    from kvstreamd.directory import Directory
+    from kvstreamd.directory import PeerDirectory
     from kvstreamd.metrics import Metrics
     from codec.layout import PrefixKV
     from kvstreamd.pipeline import FetchJob, plan
@@ -267,7 +267,7 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
         data = codec.encode(part, "high", p, start=s)
         store.put(ChunkRecord(key, keys[i - 1] if i else None, i, s, p.model_id, tuple(tokens[s:e]), "float16",
                               tuple(part.shape), {"high": _damaged(data) if i == 1 else data}))
-    fetch_plan = plan(store, Directory(), p.model_id, tokens, 32)
+    fetch_plan = await plan(store, PeerDirectory(), p.model_id, tokens, 32)
     assert fetch_plan.found == 3 and fetch_plan.local == 3
     buffer = torch.zeros_like(kv)
     coder = Coder(1)

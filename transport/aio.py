@@ -109,6 +109,11 @@ class PeerConnection(asyncio.Protocol):
         """Seconds, from the latest ping()."""
         return self.conn.rtt
 
+    @property
+    def busy(self) -> bool:
+        """A fetch of this side's or a FETCH of the peer's is running on it."""
+        return bool(self._calls or self._served)
+
     async def wait_ready(self) -> None:
         """Return once the handshake is done; raise HandshakeError if it failed."""
         await asyncio.shield(self._ready)
