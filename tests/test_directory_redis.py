@@ -157,3 +157,85 @@ def test_a_bad_directory_section_is_a_config_error(tmp_path):
     bad.write_text('[directory]\nbackend = "redis"\n')
     with pytest.raises(config.ConfigError, match="no secret"):
         config.load(bad)
+
+
+# -- the fleet floor: 16 daemon processes, one redis-server ----------------------------------------
+
+LEASE_S = 10.0
+
+
+def _fetch_sources(d, tokens) -> list[tuple[str, str]]:
+    with d.client().fetch(MODEL, tokens, deadline_ms=30_000) as f:
+        return [(ev.kind, ev.source) for ev in f]
+
+
+def _wait(what: str, predicate, timeout: float, interval: float = 0.02) -> float:
+    """Seconds until predicate() held; TimeoutError past timeout."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(what)
+        time.sleep(interval)
+    return time.monotonic() - t0
+
+
+def test_sixteen_daemons_on_one_redis_find_each_other_connect_only_to_fetch_and_ride_out_a_redis_restart(
+        tmp_path, small_profile, server):
+    from conftest import synthetic_daemon
+
+    cfg = {"directory": {"backend": "redis", "url": server.url, "prefix": PREFIX, "lease_s": LEASE_S, "idle_s": 60.0}}
+    nodes = [synthetic_daemon(tmp_path, f"n{i:02d}", small_profile, **cfg) for i in range(16)]
+    try:
+        for n in nodes:
+            n.start(wait=0)
+        for n in nodes:
+            n.wait_healthy(240)
+        holder, fetcher, other = nodes[3], nodes[7], nodes[5]
+        ctx = list(range(5000, 5600))
+        holder.client().put(MODEL, ctx, synthetic_kv(600, seed=8).half())
+        t0 = time.monotonic()
+        for n in nodes:  # every other one finds it, within 1 s of the put's reply
+            if n is not holder:
+                _wait(f"{n.name} did not find the context", lambda: n.client().lookup(MODEL, ctx)["peers"] == {"n03": 600},
+                      timeout=1.0)
+        assert time.monotonic() - t0 < 1.0
+        assert all(n.client().status()["peers_connected"] == [] for n in nodes), "lookups need no peer connection"
+
+        assert _fetch_sources(fetcher, ctx) == [("kv", "n03")] * 3
+        connected = {n.name: n.client().status()["peers_connected"] for n in nodes}
+        assert connected == {n.name: (["n03"] if n is fetcher else ["n07"] if n is holder else []) for n in nodes}
+
+        ctx2 = list(range(6000, 6512))
+        other.client().put(MODEL, ctx2, synthetic_kv(512, seed=9).half())
+        _wait("n09 did not find n05's context", lambda: nodes[9].client().lookup(MODEL, ctx2)["peers"] == {"n05": 512},
+              timeout=1.0)
+
+        holder.kill()  # SIGKILL: its lease is not given back; it runs out
+        gone = _wait("the killed host stayed in lookups", lambda: nodes[0].client().lookup(MODEL, ctx)["peers"] == {},
+                     timeout=LEASE_S + 1)
+        assert gone <= LEASE_S
+
+        server.stop()
+        outage_t0 = time.monotonic()
+        assert _fetch_sources(nodes[9], ctx2) == [("kv", "n05")] * 2  # a peer known from its lookup
+        assert _fetch_sources(other, ctx2) == [("kv", "local")] * 2
+        ctx3 = list(range(7000, 7256))
+        put3 = nodes[12].client().put(MODEL, ctx3, synthetic_kv(256, seed=10).half())
+        assert put3["stored_chunks"] == 1
+        time.sleep(max(0.0, 10.0 - (time.monotonic() - outage_t0)))  # Redis is away for 10 s
+        server.start()
+        back = _wait("keys were not back in Redis",
+                     lambda: held_in_redis(server, "n05", _chunk_keys(ctx2)) and held_in_redis(server, "n12", put3["keys"]),
+                     timeout=5.0)
+        found = _wait("n00 did not find the outage's put", lambda: nodes[0].client().lookup(MODEL, ctx3)["peers"] == {"n12": 256},
+                      timeout=5.0 - back)
+        assert back + found < 5.0
+        assert not held_in_redis(server, "n03", _chunk_keys(ctx)), "the killed host's lease did not come back"
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def _chunk_keys(tokens) -> list[str]:
+    from kvstreamd.keys import chunk_keys
+    return [k.hex() for k in chunk_keys(MODEL, tokens, 256)]
