@@ -64,7 +64,7 @@ class Metrics:
         self.buffers_held = Gauge("kvstreamd_buffers_held", "Shared-memory buffers not yet released", registry=r)
         self.buffer_bytes = Gauge("kvstreamd_buffer_bytes", "Bytes in shared-memory buffers not yet released", registry=r)
         self.puts = Counter("kvstreamd_put_chunks", "Chunks offered by local puts, by outcome (stored, already_held, "
-                            "memory_only: its file could not be written, refused)", ["outcome"], registry=r)
+                            "memory_only: its file could not be written, refused; fetched: kept from a fetch, to serve onward)", ["outcome"], registry=r)
         self.degraded = Gauge("kvstreamd_degraded", "1 while the node is degraded for this reason (codec_workers: "
                               "a worker died and is being replaced; disk_full; disk_error; directory: Redis unreachable)", ["reason"], registry=r)
         for reason in DEGRADED:

@@ -102,6 +102,7 @@ class Node:
         self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches that need a peer
         self._local_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches the local store serves whole
         self._active: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # fetched chunks being stored
 
     @property
     def node_id(self) -> str:
@@ -305,6 +306,8 @@ class Node:
                 job.stages = await asyncio.to_thread(self._stages_for, prof)
             res = await job.run(emit)
             job.buffer = job.segment = None
+            if job.arrived:  # off the fetch's path: its client has every chunk already
+                self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived))
             total = time.monotonic() - t0
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
             text_tokens = sum(e - s for s, e in text_ranges)
@@ -321,6 +324,35 @@ class Node:
             self.metrics.fetches_active.dec()
             if not ok and buf is not None:
                 self.release_buffer(buf.name)  # nobody will attach to a failed fetch's buffer
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _keep_arrived(self, model_id: str, tokens: list[int], p, prof: Profile,
+                            arrived: list[tuple[int, str, bytes]]) -> None:
+        """Store the chunks a fetch received from peers, each at the level it came as and as
+        the very bytes it came in (never coded again from the decoded, already lossy KV), so
+        that this node serves them onward and the directory says so: a context spreads through
+        the fleet as it is used. Chunks held here already are left as they are."""
+        kept = 0
+        for i, level, payload in arrived:
+            key = p.keys[i]
+            if self.store.has(key):
+                continue
+            s, e = p.bounds[i]
+            rec = ChunkRecord(key, p.keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]),
+                              "float16", (prof.layers, 2, e - s, prof.heads, prof.head_dim), {level: payload})
+            try:
+                if await asyncio.to_thread(self.store.put_to, rec) is not None:
+                    kept += 1
+            except StoreError as e:
+                log.info("fetched chunk %d (%s) not kept: %s", i, key.hex()[:16], e)
+                break  # the chunks after it could not be found without it
+        if kept:
+            self.metrics.puts.labels("fetched").inc(kept)
+            log.info("kept %d fetched chunks of %s to serve onward", kept, model_id)
 
     async def _allocate(self, shape, dtype: str, on_gpu: bool) -> FetchBuffer:
         if on_gpu:
@@ -357,6 +389,7 @@ class Node:
         for t in list(self._active):
             t.cancel()
         await asyncio.gather(*self._active, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)  # before the store closes
 
     # -- buffers -----------------------------------------------------------------------------
 

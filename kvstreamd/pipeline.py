@@ -167,6 +167,9 @@ class FetchJob:
         # (name, the whole segment as one tensor) when the buffer is host shared memory: the
         # codec workers then decode a chunk that lies in one part of it straight into it.
         self.segment: tuple[str, torch.Tensor] | None = None
+        # (chunk, level, payload) of each whole chunk a peer sent that decoded: kept here as the
+        # bitstream it arrived as, so that this node serves it onward (node.py stores them)
+        self.arrived: list[tuple[int, str, bytes]] = []
         self._t0 = 0.0
 
     def _remaining_ms(self) -> int:
@@ -358,6 +361,8 @@ class FetchJob:
                         else:
                             item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
                             self._check_shape(item)
+                        if item.source not in ("local", "fallback") and self._whole(item.i):
+                            self.arrived.append((item.i, item.level, item.payload))
                     except CodecError as e:
                         why = f"chunk {item.i} from {item.source} does not decode ({e}); recompute it"
                         log.warning(why)
@@ -404,6 +409,10 @@ class FetchJob:
     def _chunk_layers(self) -> list[tuple[int, ...]]:
         n = self.plan.found_tokens
         return [self.layout.chunk_layers(s, e, n) for s, e in self.plan.bounds[:self.plan.found]]
+
+    def _whole(self, i: int) -> bool:
+        """Chunk i is moved with all its layers (not a hybrid model's cut outside the window)."""
+        return self.layout is None or len(self._layers(i)) == self.layout.layers
 
     def _layers(self, i: int) -> tuple[int, ...]:
         """The layers of chunk i this fetch moves (worked out once per fetch)."""

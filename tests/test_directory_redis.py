@@ -210,9 +210,11 @@ def test_sixteen_daemons_on_one_redis_find_each_other_connect_only_to_fetch_and_
         _wait("n09 did not find n05's context", lambda: nodes[9].client().lookup(MODEL, ctx2)["peers"] == {"n05": 512},
               timeout=1.0)
 
+        _wait("the fetcher did not publish the chunks it kept to serve onward",
+              lambda: nodes[0].client().lookup(MODEL, ctx)["peers"] == {"n03": 600, "n07": 600}, timeout=2.0)
         holder.kill()  # SIGKILL: its lease is not given back; it runs out
-        gone = _wait("the killed host stayed in lookups", lambda: nodes[0].client().lookup(MODEL, ctx)["peers"] == {},
-                     timeout=LEASE_S + 1)
+        gone = _wait("the killed host stayed in lookups",
+                     lambda: nodes[0].client().lookup(MODEL, ctx)["peers"] == {"n07": 600}, timeout=LEASE_S + 1)
         assert gone <= LEASE_S
 
         server.stop()

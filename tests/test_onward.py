@@ -1,0 +1,56 @@
+"""Onward serving: a node keeps the chunks a fetch received, as the bitstreams that arrived
+(never coded again from the decoded KV), tells the directory, and serves them to the next
+fetcher at the levels it holds. Daemons in the test's event loop, over loopback TCP."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from conftest import synthetic_kv
+from kvstreamd.client import AsyncClient
+from kvstreamd.keys import chunk_keys
+
+MODEL = "synthetic-test-model"
+
+
+def client(d) -> AsyncClient:
+    return AsyncClient(d.cfg.api.socket, timeout=60)
+
+
+async def until(what: str, predicate, timeout: float = 10.0):
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.05)
+
+
+async def fetch(c: AsyncClient, tokens, **kw):
+    f = await c.fetch(MODEL, tokens, deadline_ms=30_000, **kw)
+    async with f:
+        events = [ev async for ev in f]
+        return events, f.kv.clone()
+
+
+async def test_a_fetched_context_is_served_onward_bit_identical_after_its_first_holder_stops(inprocess):
+    a, b, c = await inprocess(["a", "b", "c"])
+    tokens, kv = list(range(8000, 8700)), synthetic_kv(700, seed=11).half()
+    keys = chunk_keys(MODEL, tokens, 256)
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        await ca.put(MODEL, tokens, kv)
+        await until("b never learnt a's keys", lambda: b.directory.counts().get("a", 0) == 3)
+        got_b, kv_b = await fetch(cb, tokens, levels=["balanced"])  # one level: every chunk at it
+        assert [(ev.kind, ev.source, ev.level) for ev in got_b] == [("kv", "a", "balanced")] * 3
+        await until("b did not keep the fetched chunks", lambda: all(b.store.has(k) for k in keys))
+        for k in keys:  # the very bytes a sent, at the level they came as, and no other
+            kept, sent = b.store.get(k), a.store.get(k)
+            assert dict(kept.levels) == {"balanced": sent.levels["balanced"]}
+        await until("c never learnt that b holds them", lambda: c.directory.counts().get("b", 0) == 3)
+
+        await a.stop()
+        got_c, kv_c = await fetch(cc, tokens)  # asks for every level: b offers the one it holds
+        assert [(ev.kind, ev.source, ev.level) for ev in got_c] == [("kv", "b", "balanced")] * 3
+        assert torch.equal(kv_c, kv_b)
+        assert 'kvstreamd_put_chunks_total{outcome="fetched"} 3.0' in await cb.metrics()
