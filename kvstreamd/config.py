@@ -145,6 +145,12 @@ def _device(value, where, ctx) -> str:
     raise ConfigError(f'{where}: {_show(value)} is not "auto", "cpu", "cuda" or "cuda:N"')
 
 
+def _bool(value, where, ctx) -> bool:
+    if not isinstance(value, bool):
+        raise _wrong_type(value, where, "true or false")
+    return value
+
+
 def _string(value, where, ctx) -> str:
     if not isinstance(value, str):
         raise _wrong_type(value, where, "a string")
@@ -410,6 +416,7 @@ class StoreConfig:
     dir: Path = _key(parse=_path, computed=default_store_dir)
     memory_budget: int = _key(1 * GiB, parse=_size(0), reload=True)
     disk_budget: int = _key(8 * GiB, parse=_size(0), reload=True)
+    keep_fetched: bool = _key(True, parse=_bool, reload=True)
 
 
 @dataclass(frozen=True)

@@ -78,9 +78,6 @@ class Directory:
         """The holders of keys[start:] (chain: up to the first key nobody holds; else of every key)."""
         raise NotImplementedError
 
-    def forget(self, peer: str, keys: Iterable[bytes]) -> None:
-        """`peer` answered that it does not hold `keys` (evicted or damaged since it said so)."""
-
     def counts(self) -> dict[str, int]:
         """Keys known to be held, per peer."""
         return {}
@@ -154,8 +151,6 @@ class PeerDirectory(Directory):
         held = self._held.get(peer)
         if held is not None:
             held.difference_update(keys)
-
-    forget = remove
 
     def drop(self, peer: str) -> None:
         """Forget everything `peer` said (its last connection closed), and that it stalled: a

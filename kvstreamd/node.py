@@ -264,7 +264,8 @@ class Node:
         deadline counts from here, so a fetch that waited for a slot has that much less for
         its peers."""
         arrived = time.monotonic()
-        p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens)
+        p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens,
+                       self._levels(req))
         async with self._local_slots if p.found == p.local else self._fetch_slots:
             await self._fetch(req, prof, emit, arrived)
 
@@ -274,7 +275,7 @@ class Node:
         cfg = self.cfg
         tokens, dtype = req.tokens, req.dtype
         # planned again now that it has a slot: what is held may have changed while it waited
-        p = await plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens)
+        p = await plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens, self._levels(req))
         shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
         parts = layout.fetch_parts(prof.layout, p.found_tokens, cfg.codec.chunk_tokens)
         flat = (layout.parts_numel(parts, p.found_tokens, prof.heads, prof.head_dim),)
@@ -297,7 +298,7 @@ class Node:
                 gpu_unavailable=self.gpu_why if req.device == "cuda" and not on_gpu else None,
                 parts=parts if p.found else None, **place))
             job = FetchJob(p, req.model_id, tokens, req.deadline_ms or cfg.fetch.deadline_ms, view, self.store,
-                           self.peers, self.coder, self.metrics, list(req.levels or cfg.codec.levels))
+                           self.peers, self.coder, self.metrics, self._levels(req))
             job.recompute_tps = req.recompute_tokens_per_s or cfg.fetch.recompute_tokens_per_s
             job.stall_s, job.started_at = cfg.fetch.stall_s, arrived
             if isinstance(buf, HostBuffer):  # the codec workers decode straight into it
@@ -306,7 +307,7 @@ class Node:
                 job.stages = await asyncio.to_thread(self._stages_for, prof)
             res = await job.run(emit)
             job.buffer = job.segment = None
-            if job.arrived:  # off the fetch's path: its client has every chunk already
+            if job.arrived and cfg.store.keep_fetched:  # off the fetch's path: its client has every chunk already
                 self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived))
             total = time.monotonic() - t0
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
@@ -353,6 +354,10 @@ class Node:
         if kept:
             self.metrics.puts.labels("fetched").inc(kept)
             log.info("kept %d fetched chunks of %s to serve onward", kept, model_id)
+
+    def _levels(self, req: FetchRequest) -> list[str]:
+        """The levels a fetch takes chunks at (TEXT aside): those it asked for, else the node's."""
+        return list(req.levels or self.cfg.codec.levels)
 
     async def _allocate(self, shape, dtype: str, on_gpu: bool) -> FetchBuffer:
         if on_gpu:

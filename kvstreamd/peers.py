@@ -328,11 +328,21 @@ class PeerManager:
         # Chunks from the first one not held (evicted, or damaged on disk or in its header) are
         # not sent: the held ones before it are, then NOT_FOUND names it, and the fetcher looks
         # for it elsewhere.
-        held = next((i for i, r in enumerate(recs) if r is None), len(recs))
+        # A chunk held here only at levels the fetcher did not ask for counts as not held: the
+        # fetcher takes it from a holder that has one (a node that kept chunks it fetched holds
+        # each at the level it came as).
+        asked = [lv for lv in fetch.levels if lv in catalog.SCHEMES]
+        none_asked = lambda r: bool(asked) and r.levels.keys().isdisjoint(asked)  # noqa: E731
+        held = next((i for i, r in enumerate(recs) if r is None or none_asked(r)), len(recs))
         cuts = self._cuts(recs[:held], fetch.prefix_tokens)
-        coded = [lv for lv in fetch.levels if lv in catalog.SCHEMES and all(lv in r.levels for r in recs[:held])]
-        sizes, held = _coded_sizes(recs[:held], cuts, coded)
-        missing = f"chunk {held} ({fetch.keys[held].hex()[:16]}) is not held here" if held < len(recs) else None
+        coded = [lv for lv in asked if any(lv in r.levels for r in recs[:held])]
+        level_of = _nearest_held(recs, coded)
+        sizes, held = _coded_sizes(recs[:held], cuts, coded, level_of)
+        missing = None
+        if held < len(recs):
+            r = recs[held]
+            why = f"held here only at {', '.join(r.levels)}, not at a level asked" if r and none_asked(r) else "not held here"
+            missing = f"chunk {held} ({fetch.keys[held].hex()[:16]}) is {why}"
         if missing:
             self.metrics.error("fetch_not_found")
         if held == 0:
@@ -352,7 +362,6 @@ class PeerManager:
         work = {lv: catalog.decode_seconds(lv, fp16_mb, decode_mbps) for lv in coded}
         work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
         estimator = self.bandwidth.get(peer)
-        asked = [lv for lv in fetch.levels if lv != TEXT]
         rule = adaptive_rule
         if len(asked) == 1 and asked == coded:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
@@ -370,7 +379,7 @@ class PeerManager:
         done = await send_chunks(served, sizes, payload, lambda i: list(recs[i].tokens),
                                  rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
                                  on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc(),
-                                 count=held)
+                                 count=held, level_of=level_of)
         if done.stopped_at is not None:
             self.metrics.error("fetch_not_found")
             i = done.stopped_at
@@ -444,13 +453,28 @@ def _numel(shape) -> int:
     return n
 
 
-def _coded_sizes(recs, cuts, levels) -> tuple[dict[str, list[int]], int]:
-    """Each chunk's size at each level, for the chunks up to the first whose header does not
-    read, and how many those are."""
+def _nearest_held(recs, levels: list[str]) -> Callable[[int, str], str]:
+    """(chunk, level) -> the level that chunk is sent at when `level` is chosen: that one where
+    it is held, else the nearest it holds in `levels` (best first), a lower quality first."""
+    def level_of(i: int, level: str) -> str:
+        held = recs[i].levels
+        if level in held:
+            return level
+        k = levels.index(level)
+        return next((lv for lv in levels[k + 1:] + levels[:k][::-1] if lv in held), level)
+    return level_of
+
+
+def _coded_sizes(recs, cuts, levels, level_of) -> tuple[dict[str, list[int]], int]:
+    """Each chunk's size at each level (that is, at the level it goes at when that one is
+    chosen), for the chunks up to the first whose header does not read, and how many those are."""
     sizes = {lv: [] for lv in levels}
     for i, (r, cut) in enumerate(zip(recs, cuts)):
         try:
-            row = {lv: len(r.levels[lv]) if cut is None else selected_size(r.levels[lv], cut) for lv in levels}
+            row = {}
+            for lv in levels:
+                data = r.levels[level_of(i, lv)]
+                row[lv] = len(data) if cut is None else selected_size(data, cut)
         except CodecError as e:
             log.warning("chunk %s: header does not read: %s", r.key.hex()[:16], e)
             return sizes, i

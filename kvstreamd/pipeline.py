@@ -36,6 +36,7 @@ from .directory import Directory, Holders
 from .metrics import Metrics
 from .peers import PeerManager
 from .keys import chunk_keys, prefix_keys
+from .shares import Shares
 from .store import Store
 
 log = logging.getLogger("kvstreamd.pipeline")
@@ -67,12 +68,14 @@ class Plan:
         return self.bounds[self.found - 1][1] if self.found else 0
 
 
-async def plan(store: Store, directory: Directory, model_id: str, tokens: list[int], chunk_tokens: int) -> Plan:
+async def plan(store: Store, directory: Directory, model_id: str, tokens: list[int], chunk_tokens: int,
+               levels: list[str] | None = None) -> Plan:
     """One lookup of the prompt's key chain (and, where it stops inside a chunk, one of that
-    chunk's shorter lengths)."""
+    chunk's shorter lengths). A chunk held here only at levels other than `levels` (the
+    fetch's; None: any) is looked for at a peer."""
     keys = chunk_keys(model_id, tokens, chunk_tokens)
     bounds = [(i * chunk_tokens, min((i + 1) * chunk_tokens, len(tokens))) for i in range(len(keys))]
-    local = store.longest_prefix(keys)
+    local = store.longest_prefix(keys, levels)
     held = await directory.lookup(keys, local)
     peers = held.longest_prefix(local)
     found = max([local, *peers.values()])
@@ -84,9 +87,9 @@ async def plan(store: Store, directory: Directory, model_id: str, tokens: list[i
         shorter = await directory.lookup(candidates, 0, chain=False)
         for k in range(len(candidates), 0, -1):
             key = candidates[k - 1]
-            if (store.has(key) and local == found) or shorter.holders(k - 1):
+            if (store.has(key, levels) and local == found) or shorter.holders(k - 1):
                 keys, bounds = keys[:found] + [key], bounds[:found] + [(s, s + k)]
-                local = store.longest_prefix(keys)
+                local = store.longest_prefix(keys, levels)
                 run = [held.of(i) for i in range(local, found)] + [shorter.of(k - 1)] if local <= found else []
                 held = Holders(keys, local, run, directory.cooling, {**held.addresses, **shorter.addresses})
                 peers = held.longest_prefix(local)
@@ -218,101 +221,184 @@ class FetchJob:
             item = _Item(i, "kv", level, "local", payload, time.monotonic(), nbytes=len(payload))
             await self._upload(item)
             await out.put(item)
-        i = p.local
+        if p.found > p.local:
+            busy += await self._receive_from_peers(out)
+        self.result.stage_s["receive"] = busy
+        await out.put(None)
+
+    async def _receive_from_peers(self, out: asyncio.Queue) -> float:
+        """Chunks [local, found) from every peer holding them at once (shares.py says who sends
+        which), handed on in order; those no peer sent come as TEXT. Where a peer failed and
+        left chunks no other holder of the plan has, the directory is asked once more (a holder
+        may have got them since). Returns the seconds in which some peer was streaming."""
+        p = self.plan
+        ready: dict[int, _Item] = {}
+        busy = _Busy()
         failed: set[str] = set()
-        late = None  # why the chunks from i on come as TEXT: the time for peers ran out
-        prof = self.coder.profile_for(self.model_id) if p.found > p.local else None
-        while i < p.found:
-            left = self.peers_until - time.monotonic()
-            if left <= 0:
-                late = f"not received within the deadline ({self.deadline_ms} ms) + {grace_s(self.deadline_ms) / 2:g} s"
-                self.result.errors.append(f"chunks {i}..{p.found - 1} {late}: recompute them")
-                self.result.deadline_missed = True
+        nxt, chunks = p.local, list(range(p.local, p.found))
+        while True:
+            shares = Shares(chunks, lambda i: [q for q in p.holders.holders(i) if q not in failed], self._rate)
+            nxt = await self._round(shares, ready, out, nxt, busy)
+            chunks = shares.missing()
+            if not chunks or not shares.failed or time.monotonic() >= self.peers_until:
                 break
-            peer, end = p.holders.best(i, exclude=failed)
-            conn = await self.peers.connect_to(peer, p.holders.addresses.get(peer)) if peer else None
-            if conn is None:
-                if peer is not None:
-                    failed.add(peer)
+            failed |= shares.failed
+            fresh = await self.peers.directory.lookup(p.keys, chunks[0])
+            if not any(q not in failed for i in chunks for q in fresh.holders(i)):
+                break
+            p.holders = fresh
+        late = None  # why the chunks left come as TEXT: the time for peers ran out
+        if nxt < p.found and time.monotonic() >= self.peers_until:
+            late = f"not received within the deadline ({self.deadline_ms} ms) + {grace_s(self.deadline_ms) / 2:g} s"
+            self.result.errors.append(f"chunks {nxt}..{p.found - 1} {late}: recompute them")
+            self.result.deadline_missed = True
+        for j in range(nxt, p.found):
+            await out.put(ready.pop(j, None) or _Item(j, "text", TEXT, "fallback", error=late))
+        return busy.total
+
+    async def _round(self, shares: Shares, ready: dict[int, _Item], out: asyncio.Queue, nxt: int, busy: _Busy) -> int:
+        """Stream from every source of `shares` at once, handing chunks on in order from `nxt`
+        as they come; returns the first chunk not handed on."""
+        p = self.plan
+        changed = asyncio.Condition()
+        streams = [asyncio.ensure_future(self._from_peer(peer, shares, ready, changed, busy))
+                   for peer in shares.sources]
+        try:
+            while nxt < p.found:
+                while nxt in ready:
+                    await out.put(ready.pop(nxt))
+                    nxt += 1
+                if nxt >= p.found or all(t.done() for t in streams):
+                    break
+                async with changed:
+                    await changed.wait_for(lambda: nxt in ready or all(t.done() for t in streams))
+        finally:
+            for t in streams:
+                t.cancel()
+            done = await asyncio.gather(*streams, return_exceptions=True)
+        for e in done:
+            if isinstance(e, Exception):
+                raise e
+        return nxt
+
+    def _rate(self, peer: str) -> float | None:
+        bw = self.peers.bandwidth
+        return bw.get(peer).estimate() if peer in bw else None
+
+    async def _from_peer(self, peer: str, shares: Shares, ready: dict[int, _Item], changed: asyncio.Condition,
+                         busy: _Busy) -> None:
+        """One peer's part of a fetch: ask it for what `shares` hands it, until nothing is left
+        that it could send, or it fails (its chunks then go to the others)."""
+        async def tell() -> None:
+            async with changed:
+                changed.notify_all()
+
+        try:
+            while not shares.done():
+                share = shares.take(peer)
+                left = self.peers_until - time.monotonic()
+                if left <= 0:
+                    shares.fail(peer)
+                    return
+                if not share:
+                    if not shares.waiting():
+                        return
+                    try:
+                        async with changed:  # until a chunk arrives or one is handed back
+                            await asyncio.wait_for(changed.wait(), left)
+                    except TimeoutError:
+                        return
                     continue
-                await out.put(_Item(i, "text", TEXT, "fallback"))  # nobody reachable holds chunk i
-                i += 1
-                continue
-            t = time.perf_counter()
-            stream = conn.fetch(p.keys[i:end], max(self._remaining_ms(), 1), self.levels + [TEXT],
-                                decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps,
-                                stall_s=self.stall_s, limit_s=left, prefix_tokens=self._prefix_tokens)
-            nbytes, base = 0, i
-            try:
+                ok = await self._stream(peer, share, shares, ready, tell, busy, left)
+                if not ok:
+                    shares.fail(peer)
+                await tell()  # what it did not send may be another's to take now
+                if not ok:
+                    return
+        finally:
+            await tell()
+
+    async def _stream(self, peer: str, share: list[int], shares: Shares, ready: dict[int, _Item], tell,
+                      busy: _Busy, left: float) -> bool:
+        """One FETCH of chunks `share` from `peer`; False when the peer is not to be asked again."""
+        p = self.plan
+        conn = await self.peers.connect_to(peer, p.holders.addresses.get(peer))
+        if conn is None:
+            return False
+        prof = self.coder.profile_for(self.model_id)
+        stream = conn.fetch([p.keys[j] for j in share], max(self._remaining_ms(), 1), self.levels + [TEXT],
+                            decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps,
+                            stall_s=self.stall_s, limit_s=left, prefix_tokens=self._prefix_tokens)
+        nbytes, sent = 0, 0  # positions of `share` received
+        at = lambda: share[min(sent, len(share) - 1)]  # noqa: E731  the chunk it was to send next
+        try:
+            with busy:
                 async for msg in stream:
-                    j = base + msg.i
+                    j, sent = share[msg.i], msg.i + 1
                     if hasattr(msg, "payload"):
                         nbytes += len(msg.payload)
                         try:  # the chunk asked for? Checked before any of it is decoded or sized
                             admit(msg.payload, msg.level, Wanted.of(p.keys, p.bounds, j, prof, self.levels,
                                                                     self._layers(j)), msg.key)
                         except Refused as e:
-                            failed.add(peer)  # not trusted for the rest of this fetch
                             why = f"peer {peer} sent chunk {j} that is not the chunk asked: {e}"
                             log.warning("%s; it and the rest come from another peer or as text", why)
                             self.result.errors.append(why)
                             self.metrics.error(f"chunk_refused_{e.reason}")
-                            with contextlib.suppress(aio.TransportError):
-                                await stream.cancel()
-                            break
-                        self.metrics.chunks.labels(msg.level, "received").inc()
+                            return False  # not trusted for the rest of this fetch
                         item = _Item(j, "kv", msg.level, peer, msg.payload, time.monotonic(), nbytes=len(msg.payload))
                     else:
-                        self.metrics.chunks.labels(TEXT, "received").inc()
                         item = _Item(j, "text", TEXT, peer, arrived=time.monotonic(), nbytes=4 * len(msg.tokens))
-                    await self._upload(item)
-                    busy += time.perf_counter() - t
-                    await out.put(item)
-                    t = time.perf_counter()
-                    i = j + 1
-                if stream.end is not None and stream.end.deadline_missed:
+                    if shares.arrived(j):
+                        self.metrics.chunks.labels(item.level, "received").inc()
+                        await self._upload(item)
+                        ready[j] = item
+                    await tell()
+                    if shares.redundant(peer):
+                        break  # the rest of its share came from others: its request is cancelled below
+            if stream.end is not None:
+                if stream.end.deadline_missed:
                     self.result.deadline_missed = True
-                if stream.end is not None:
-                    self.peers.directory.served(peer)
-            except aio.FetchStalled as e:
-                failed.add(peer)
-                cooldown = self.peers.directory.stalled(peer, COOLDOWN_STALLS * self.stall_s, COOLDOWN_MAX_S)
-                why = f"peer {peer} stalled at chunk {i}: {e.msg}; it is avoided for {cooldown:g} s"
-                log.warning("%s; the rest comes from another peer or as text", why)
-                self.result.errors.append(why)
-                self.metrics.error("peer_stalled")
-            except aio.FetchTimedOut:
-                failed.add(peer)  # still sending, only too slowly for this fetch: not marked; the loop ends it
-                log.info("peer %s: chunk %d not in by the deadline + grace; the rest comes as text", peer, i)
-            except aio.FetchFailed as e:
-                if e.code == NOT_FOUND:
-                    # The holder lost chunk i (evicted or damaged) after it advertised it: it sent the
-                    # chunks before it and may still serve those after; only chunk i looks elsewhere.
-                    p.holders.drop(peer, i)
-                    self.peers.directory.forget(peer, [p.keys[i]])
-                    why = f"peer {peer} no longer holds chunk {i}: {e.msg}"
-                    log.info("%s; that chunk comes from another peer or as text", why)
-                else:
-                    failed.add(peer)
-                    why = f"peer {peer} failed at chunk {i}: {e.code}: {e.msg}"
-                    log.warning("%s; the rest comes from another peer or as text", why)
-                    self.metrics.error("peer_fetch_failed")
-                self.result.errors.append(why)
-            except aio.TransportError as e:
-                failed.add(peer)
-                why = f"peer {peer} failed at chunk {i}: {e.code}: {e.msg}"
+                self.peers.directory.served(peer)
+            shares.give_back(peer)
+            return True
+        except aio.FetchStalled as e:
+            cooldown = self.peers.directory.stalled(peer, COOLDOWN_STALLS * self.stall_s, COOLDOWN_MAX_S)
+            why = f"peer {peer} stalled at chunk {at()}: {e.msg}; it is avoided for {cooldown:g} s"
+            log.warning("%s; the rest comes from another peer or as text", why)
+            self.result.errors.append(why)
+            self.metrics.error("peer_stalled")
+            return False
+        except aio.FetchTimedOut:
+            # still sending, only too slowly for this fetch: not marked; its chunks come as text
+            log.info("peer %s: chunk %d not in by the deadline + grace; the rest comes as text", peer, at())
+            return False
+        except aio.FetchFailed as e:
+            if e.code != NOT_FOUND:
+                why = f"peer {peer} failed at chunk {at()}: {e.code}: {e.msg}"
                 log.warning("%s; the rest comes from another peer or as text", why)
                 self.result.errors.append(why)
                 self.metrics.error("peer_fetch_failed")
-            finally:
-                await stream.cancel()  # a no-op once it ended; else (this fetch was cancelled) the peer stops too
-                busy += time.perf_counter() - t
-                self.result.bytes += nbytes
-                self.metrics.peer_bytes.labels(peer, "in").inc(nbytes)
-        for j in range(i, p.found):
-            await out.put(_Item(j, "text", TEXT, "fallback", error=late))
-        self.result.stage_s["receive"] = busy
-        await out.put(None)
+                return False
+            # The holder lost that chunk (evicted or damaged: its WITHDRAW follows) after it
+            # advertised it, or holds it at levels not asked: it sent the chunks before it and
+            # may still serve the others; only that one looks elsewhere.
+            p.holders.drop(peer, at())
+            why = f"peer {peer} no longer holds chunk {at()}: {e.msg}"
+            log.info("%s; that chunk comes from another peer or as text", why)
+            self.result.errors.append(why)
+            shares.give_back(peer)
+            return True
+        except aio.TransportError as e:
+            why = f"peer {peer} failed at chunk {at()}: {e.code}: {e.msg}"
+            log.warning("%s; the rest comes from another peer or as text", why)
+            self.result.errors.append(why)
+            self.metrics.error("peer_fetch_failed")
+            return False
+        finally:
+            await stream.cancel()  # a no-op once it ended; else the peer stops too
+            self.result.bytes += nbytes
+            self.metrics.peer_bytes.labels(peer, "in").inc(nbytes)
 
     async def _upload(self, item: _Item) -> None:
         """On a GPU: parse the chunk into pinned memory and start its upload on the receive

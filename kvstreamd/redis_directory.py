@@ -234,10 +234,6 @@ class RedisDirectory(Directory):
         else:
             self._known.pop(key, None)
 
-    def forget(self, peer: str, keys) -> None:
-        for k in keys:
-            self._known.get(k, set()).discard(peer)
-
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for who in self._known.values():

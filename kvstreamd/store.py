@@ -122,10 +122,12 @@ class _Meta:
     ntokens: int
     created: float
     nbytes: int
+    levels: frozenset[str]  # the levels it is held at
 
 
 def _meta_of(rec: ChunkRecord | chunkfile.Header) -> _Meta:
-    return _Meta(rec.parent, rec.index, rec.start, rec.model_id, len(rec.tokens), rec.created, rec.nbytes)
+    levels = frozenset(rec.levels if isinstance(rec, ChunkRecord) else (name for name, _ in rec.levels))
+    return _Meta(rec.parent, rec.index, rec.start, rec.model_id, len(rec.tokens), rec.created, rec.nbytes, levels)
 
 
 class Store:
@@ -415,9 +417,11 @@ class Store:
         with self._lock:
             return self._dropped.get(key)
 
-    def has(self, key: bytes) -> bool:
+    def has(self, key: bytes, levels: Sequence[str] | None = None) -> bool:
+        """Whether `key` is held (at one of `levels`, when given)."""
         with self._lock:
-            return key in self._meta
+            meta = self._meta.get(key)
+            return meta is not None and (levels is None or not meta.levels.isdisjoint(levels))
 
     __contains__ = has
 
@@ -429,12 +433,13 @@ class Store:
         with self._lock:
             return list(self._meta)
 
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys of `keys` are held."""
+    def longest_prefix(self, keys: Sequence[bytes], levels: Sequence[str] | None = None) -> int:
+        """How many leading keys of `keys` are held (at one of `levels`, when given)."""
         with self._lock:
             n = 0
             for k in keys:
-                if k not in self._meta:
+                meta = self._meta.get(k)
+                if meta is None or (levels is not None and meta.levels.isdisjoint(levels)):
                     break
                 n += 1
             return n

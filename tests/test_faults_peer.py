@@ -195,7 +195,7 @@ async def test_a_local_fetch_is_served_at_once_while_fetches_stuck_on_a_silent_p
 async def test_a_stalled_peer_is_avoided_for_its_cooldown_then_tried_again(inprocess):
     """Two holders: "silent" (picked first: equal runs go to the lowest node id) never answers,
     "z-holder" serves. stall_s 0.4: the first stall cools "silent" down for 5 x 0.4 s."""
-    b, z = await inprocess(["b", "z-holder"], fetch={"stall_s": 0.4})
+    b, z = await inprocess(["b", "z-holder"], fetch={"stall_s": 0.4}, store={"keep_fetched": False})
     await connected(b, z)
     tokens, kv = context(600)
     cancelled: list = []

@@ -39,7 +39,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                       dppl: Mapping[str, float], *,
                       on_sent: Callable[[int, str, int], None] | None = None,
                       before_send: Callable[[int, str], None] | None = None,
-                      count: int | None = None) -> Sent:
+                      count: int | None = None,
+                      level_of: Callable[[int, str], str] | None = None) -> Sent:
     """Send every chunk of `served`'s FETCH, then END "ok" with whether its deadline (counted
     from the FETCH's arrival) was missed. With `count` short of the FETCH's chunks, send chunks
     [0, count) only and leave the request open: the caller ends it with an ERROR.
@@ -53,7 +54,9 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     `payload_of` returns None for a chunk it cannot make (damaged where it is kept): the loop
     stops before it and leaves the request open, as with `count`, and says so in `stopped_at`.
     `before_send(i, level)` runs just before chunk i is written; `on_sent(i, level, nbytes)`
-    once it is."""
+    once it is. `level_of(i, level)`: the level chunk i goes at when `level` is chosen for it
+    (a sender that holds some chunks at some levels only sends the nearest it holds; `sizes`
+    are then that level's), named so on the wire."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     if estimator.needs_probe:
@@ -72,6 +75,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     while True:
         while stopped_at is None and len(inflight) < DEPTH and (nxt := sender.next_chunk(loop.time())) is not None:
             i, level = nxt
+            if level_of is not None and level != TEXT:
+                level = level_of(i, level)
             if before_send is not None:
                 before_send(i, level)
             sent_at = loop.time()

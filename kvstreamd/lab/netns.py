@@ -1,5 +1,6 @@
-"""Test hosts on one machine: two network namespaces joined by a veth pair whose egress is
-shaped with tc tbf, so transfers see a real bandwidth limit (DESIGN.md section 6).
+"""Test hosts on one machine: network namespaces joined by veth pairs whose egress is shaped
+with tc tbf, so transfers see a real bandwidth limit (DESIGN.md section 6). `Star` joins a hub
+host `a` to each of several hosts by a link of its own; `Link` is its two-host case.
 
 Needs root and iproute2. netem is not in this kernel: no added delay or loss here."""
 from __future__ import annotations
@@ -31,7 +32,7 @@ def remove_stale() -> None:
     """Delete the namespaces of links whose process is gone (killed before its cleanup ran)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     for name in listing:
-        if name.startswith("kvs") and name[-1:] in ("a", "b") and name[3:-1].isdigit():
+        if name.startswith("kvs") and name[-1:].isalpha() and name[3:-1].isdigit():
             if not os.path.exists(f"/proc/{int(name[3:-1])}"):
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
@@ -50,37 +51,60 @@ def _run(*argv: str) -> None:
 
 
 @dataclass
-class Link:
-    """Hosts `a` (192.0.2.1) and `b` (192.0.2.2), each in its own namespace, joined by a veth
-    pair. `shape(mbit)` limits both directions; call it again to change the rate mid-run."""
+class Star:
+    """Hub host `a` joined to each spoke host (b, c, ...) by a veth pair of its own: the k-th
+    spoke is 192.0.2.(4k+2), the hub 192.0.2.(4k+1) on that link (`hub_addr`), `addr["a"]`
+    its address on the first. `shape(mbit)` limits both directions of every link; call it
+    again to change the rate mid-run."""
 
+    spokes: tuple[str, ...] = ("b",)
     tag: str = field(default_factory=lambda: f"kvs{os.getpid()}")
     rate_mbit: float | None = None
 
     @property
+    def sides(self) -> tuple[str, ...]:
+        return ("a", *self.spokes)
+
+    @property
     def ns(self) -> dict[str, str]:
-        return {"a": f"{self.tag}a", "b": f"{self.tag}b"}
+        return {side: f"{self.tag}{side}" for side in self.sides}
 
     @property
     def dev(self) -> dict[str, str]:
-        return {"a": f"{self.tag}va", "b": f"{self.tag}vb"}
+        """Each spoke's end of its link; "a": the hub's end of the first link."""
+        return {"a": self.hub_dev[self.spokes[0]], **{s: f"{self.tag}v{s}" for s in self.spokes}}
+
+    @property
+    def hub_dev(self) -> dict[str, str]:
+        return {s: f"{self.tag}h{s}" for s in self.spokes}
+
+    @property
+    def hub_addr(self) -> dict[str, str]:
+        return {s: f"{SUBNET}.{4 * k + 1}" for k, s in enumerate(self.spokes)}
 
     @property
     def addr(self) -> dict[str, str]:
-        return {"a": f"{SUBNET}.1", "b": f"{SUBNET}.2"}
+        return {"a": self.hub_addr[self.spokes[0]], **{s: f"{SUBNET}.{4 * k + 2}" for k, s in enumerate(self.spokes)}}
 
-    def up(self) -> "Link":
+    def _ends(self):
+        """(namespace, device, address) of both ends of every link."""
+        for s in self.spokes:
+            yield self.ns["a"], self.hub_dev[s], self.hub_addr[s]
+            yield self.ns[s], self.dev[s], self.addr[s]
+
+    def up(self) -> "Star":
         remove_stale()
-        for side in "ab":
+        for side in self.sides:
             _run("ip", "netns", "add", self.ns[side])
         try:
-            _run("ip", "link", "add", self.dev["a"], "type", "veth", "peer", "name", self.dev["b"])
-            for side in "ab":
-                ns, dev = self.ns[side], self.dev[side]
+            for s in self.spokes:
+                _run("ip", "link", "add", self.hub_dev[s], "type", "veth", "peer", "name", self.dev[s])
+            for ns, dev, addr in self._ends():
                 _run("ip", "link", "set", dev, "netns", ns)
-                _run("ip", "-n", ns, "addr", "add", f"{self.addr[side]}/24", "dev", dev)
+                _run("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
                 _run("ip", "-n", ns, "link", "set", dev, "up")
-                _run("ip", "-n", ns, "link", "set", "lo", "up")
+            for side in self.sides:
+                _run("ip", "-n", self.ns[side], "link", "set", "lo", "up")
             if self.rate_mbit:
                 self.shape(self.rate_mbit)
         except Exception:
@@ -89,15 +113,14 @@ class Link:
         return self
 
     def shape(self, mbit: float) -> None:
-        """Token-bucket limit (see tbf) on both directions."""
-        for side in "ab":
-            _run("tc", "-n", self.ns[side], "qdisc", "replace", "dev", self.dev[side], "root", *tbf(mbit))
+        """Token-bucket limit (see tbf) on both directions of every link."""
+        for ns, dev, _ in self._ends():
+            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf(mbit))
         self.rate_mbit = mbit
 
     def unshape(self) -> None:
-        for side in "ab":
-            subprocess.run(["tc", "-n", self.ns[side], "qdisc", "del", "dev", self.dev[side], "root"],
-                           capture_output=True)
+        for ns, dev, _ in self._ends():
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
         self.rate_mbit = None
 
     def command(self, side: str, argv: list[str]) -> list[str]:
@@ -108,11 +131,17 @@ class Link:
         return subprocess.Popen(self.command(side, argv), **kwargs)
 
     def down(self) -> None:
-        for side in "ab":  # deleting a namespace destroys the veth end inside it
+        for side in self.sides:  # deleting a namespace destroys the veth ends inside it
             subprocess.run(["ip", "netns", "del", self.ns[side]], capture_output=True)
 
-    def __enter__(self) -> "Link":
+    def __enter__(self) -> "Star":
         return self.up()
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+
+@dataclass
+class Link(Star):
+    """Hosts `a` (192.0.2.1) and `b` (192.0.2.2), each in its own namespace, joined by a veth
+    pair: the star of one spoke."""

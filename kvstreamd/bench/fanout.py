@@ -1,0 +1,126 @@
+"""`kvstreamd bench fanout`: one context pulled from several holders at once. A hub host and
+HOLDERS holder hosts, each holder joined to the hub by a tbf-shaped link of its own
+(netns.Star), every host a real daemon process in its own namespace. The real model prefills
+a WikiText-2 document; its KV is put on every holder at one level. In the hub two fetching
+daemons run side by side, one peered with a single holder and one with all of them (their
+stores have no budget, so neither keeps what it fetched and every run moves the whole
+context); they fetch the context alternately at exactly that level (the sender's level choice
+would otherwise spend the extra bandwidth on quality, not time). Reported: the median fetch
+time of each, and their ratio (the floor: <= 0.4 with three holders). Then a fetch from all
+holders during which one of them is SIGKILLed halfway: every chunk must still arrive as KV."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .. import models
+from ..lab import corpus, netns
+from ..lab.daemons import DaemonProcess, wait_for
+
+HOLDERS = 3
+RATIO_FLOOR = 0.4
+CHUNK_TOKENS = 256  # 16 chunks of a 4096-token context: shares of a sixteenth each
+DEADLINE_MS = 3_600_000  # exactly the level asked, however long it takes
+
+
+def _fetch(d: DaemonProcess, model_id: str, tokens: list[int], level: str) -> dict:
+    t0 = time.perf_counter()
+    with d.client().fetch(model_id, tokens, deadline_ms=DEADLINE_MS, levels=[level]) as f:
+        events = list(f)
+        end = f.end
+    return {"seconds": time.perf_counter() - t0, "fetch_s": end.timings.get("total_s"),
+            "kv_chunks": sum(ev.kind == "kv" for ev in events), "chunks": len(events),
+            "sources": sorted({ev.source for ev in events}), "bytes": end.bytes, "errors": end.errors,
+            "by_source": {s: sum(ev.source == s for ev in events) for s in {ev.source for ev in events}}}
+
+
+def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level: str = "high",
+        holders: int = HOLDERS, model: str | None = None, json_path: str | None = None, log=print) -> dict:
+    ok, why = netns.available()
+    if not ok:
+        raise RuntimeError(f"bench fanout needs network namespaces: {why}")
+    torch.set_num_threads(os.cpu_count() or 1)
+    lm = models.load(model)
+    doc = corpus.windows(lm.tokenizer, "test", 1, tokens)[0]
+    log(f"prefilling {tokens} tokens of test.txt with {lm.model_id}")
+    kv = None
+    for s in range(0, len(doc), 1024):  # in blocks, as the e2e bench prefills
+        _, kv = models.prefill(lm, doc[s:s + 1024], kv, all_logits=False)
+    kv = kv.half()
+    spokes = tuple("bcdefgh"[:holders])
+    star = netns.Star(spokes=spokes, rate_mbit=bandwidth_mbit).up()
+    extra = {"codec": {"chunk_tokens": CHUNK_TOKENS, "levels": [level]}}
+    fetcher_extra = {**extra, "store": {"memory_budget": 0, "disk_budget": 0}}
+    report: dict = {"model": lm.model_id, "tokens": tokens, "bandwidth_mbit": bandwidth_mbit, "level": level,
+                    "holders": holders, "chunk_tokens": CHUNK_TOKENS, "runs": runs}
+    with tempfile.TemporaryDirectory(prefix="kvstreamd-fanout-") as tmp:
+        root = Path(tmp)
+        hs = [DaemonProcess(f"holder-{s}", root / s, host=star.addr[s], netns=star.command(s, []), extra=extra)
+              for s in spokes]
+        one = DaemonProcess("fetch-one", root / "one", host="0.0.0.0", netns=star.command("a", []),
+                            peers=[hs[0].addr], extra=fetcher_extra)
+        every = DaemonProcess("fetch-all", root / "all", host="0.0.0.0", netns=star.command("a", []),
+                              peers=[h.addr for h in hs], extra=fetcher_extra)
+        nodes = [*hs, one, every]
+        try:
+            for n in nodes:
+                n.start(wait=0)
+            for n in nodes:
+                n.wait_healthy(240)
+            for h in hs:
+                log(f"putting the context on {h.name}")
+                h.client().put(lm.model_id, doc, kv)
+            chunks = -(-tokens // CHUNK_TOKENS)
+            wait_for(lambda: every.client().lookup(lm.model_id, doc)["peers"] == {h.name: tokens for h in hs}
+                     and one.client().lookup(lm.model_id, doc)["peers"] == {hs[0].name: tokens},
+                     timeout=60, what="the fetchers to learn the holders' keys")
+            _fetch(one, lm.model_id, doc, level)  # warm-up: each link probed once, codec tables built
+            _fetch(every, lm.model_id, doc, level)
+            rows = {"one": [], "all": []}
+            for r in range(runs):
+                rows["one"].append(_fetch(one, lm.model_id, doc, level))
+                rows["all"].append(_fetch(every, lm.model_id, doc, level))
+                log(f"run {r + 1}/{runs}: one holder {rows['one'][-1]['seconds']:.3f} s, "
+                    f"{holders} holders {rows['all'][-1]['seconds']:.3f} s {rows['all'][-1]['by_source']}")
+            med = {k: statistics.median(x["seconds"] for x in v) for k, v in rows.items()}
+            report.update(rows=rows, median_s=med, ratio=med["all"] / med["one"],
+                          complete=all(x["kv_chunks"] == chunks for v in rows.values() for x in v))
+            victim = hs[1]
+            timer = threading.Timer(med["all"] / 2, victim.kill)
+            timer.start()
+            killed = _fetch(every, lm.model_id, doc, level)
+            timer.join()
+            report["kill"] = {**killed, "killed": victim.name, "after_s": med["all"] / 2,
+                              "lost_chunks": chunks - killed["kv_chunks"]}
+            log(f"{victim.name} SIGKILLed after {med['all'] / 2:.3f} s: {killed['kv_chunks']}/{chunks} chunks as KV "
+                f"in {killed['seconds']:.3f} s {killed['by_source']}")
+        finally:
+            for n in nodes:
+                n.kill()
+            star.down()
+    report["floors"] = {"ratio": report["ratio"] <= RATIO_FLOOR, "complete": report["complete"],
+                        "kill_costs_no_chunk": report["kill"]["lost_chunks"] == 0}
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def table(report: dict) -> str:
+    m = report["median_s"]
+    k = report["kill"]
+    return "\n".join([
+        f"{report['tokens']} tokens of {report['model']} at {report['level']}, {report['chunk_tokens']}-token chunks, "
+        f"each holder behind {report['bandwidth_mbit']:g} Mbit/s; median of {report['runs']}",
+        f"  one holder:   {m['one']:.3f} s",
+        f"  {report['holders']} holders:    {m['all']:.3f} s   ratio {report['ratio']:.3f} "
+        f"(floor <= {RATIO_FLOOR}: {'ok' if report['floors']['ratio'] else 'MISSED'})",
+        f"  {k['killed']} SIGKILLed after {k['after_s']:.3f} s: {k['lost_chunks']} chunks lost, "
+        f"{k['seconds']:.3f} s, by source {k['by_source']}"])

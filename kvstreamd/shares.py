@@ -1,0 +1,128 @@
+"""Which peer a fetch asks for which chunk, when several hold them: the bookkeeping alone, no
+I/O (pipeline.py streams what it hands out). The chunks are split among up to MAX_SOURCES
+holders, each peer's share in proportion to its measured link, interleaved so that they arrive
+about in order (the fill stage takes them in order); a peer that fails or gives up hands its
+outstanding chunks back to the others; a peer with nothing left to ask for takes the second
+half of the outstanding chunks of the peer furthest behind (the last chunks come from whichever
+holder sends them first: a chunk is used once, the first time it arrives)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+MAX_SOURCES = 4  # holders one fetch pulls from at once
+
+
+class Shares:
+    def __init__(self, chunks: Iterable[int], holders: Callable[[int], list[str]],
+                 rate: Callable[[str], float | None], max_sources: int = MAX_SOURCES) -> None:
+        self.chunks = list(chunks)
+        self._holders = holders  # asked anew each time: a holder that said NOT_FOUND drops out
+        self._arrived: set[int] = set()
+        self._todo: list[int] = []  # chunks given back, nobody asking for them
+        self._asked: dict[str, list[int]] = {}  # peer -> chunks of its request still to arrive
+        self.failed: set[str] = set()
+        every = sorted({p for i in self.chunks for p in holders(i)})
+        known = [r for p in every if (r := rate(p))]
+        default = sorted(known)[len(known) // 2] if known else 1.0  # unmeasured: the median link
+        self._rate = {p: rate(p) or default for p in every}
+        ranked = sorted(every, key=lambda p: (-self._rate[p], p))
+        self.sources = ranked[:max_sources]
+        for i in self.chunks:  # and, past those, a holder of each chunk they do not hold
+            if holders(i) and not set(holders(i)) & set(self.sources):
+                self.sources.append(next(p for p in ranked if p in holders(i)))
+        self._first = self._split()
+
+    def _split(self) -> dict[str, list[int]]:
+        """Each chunk to the source that would have it soonest, counting each source's queue
+        in chunks over its rate (chunks alike in size: the sender picks the level)."""
+        load = {p: 0.0 for p in self.sources}
+        out: dict[str, list[int]] = {p: [] for p in self.sources}
+        for i in self.chunks:
+            can = [p for p in self.sources if p in self._holders(i)]
+            if not can:
+                continue  # held by nobody: the fetch ends before it
+            p = min(can, key=lambda q: (load[q] + 1 / self._rate[q], q))
+            load[p] += 1 / self._rate[p]
+            out[p].append(i)
+        return out
+
+    # -- what a peer asks for next ---------------------------------------------------------------
+
+    def take(self, peer: str) -> list[int]:
+        """The chunks `peer` should ask for now, in order ([] when there is nothing for it): its
+        first share, else its part of the chunks given back that it holds, else the second
+        half of what the peer furthest behind still has to send."""
+        if peer in self.failed:
+            return []
+        share = self._first.pop(peer, None)
+        if share is None:
+            share = self._given_back(peer) or self._steal(peer)
+        share = [i for i in share if i not in self._arrived]
+        self._asked[peer] = share
+        return share
+
+    def _given_back(self, peer: str) -> list[int]:
+        mine = [i for i in self._todo if peer in self._holders(i)]
+        if not mine:
+            return []
+        takers = max(1, sum(1 for p in self.sources if p not in self.failed and not self._pending(p)))
+        part = mine[:-(-len(mine) // takers)]
+        self._todo = [i for i in self._todo if i not in part]
+        return part
+
+    def _steal(self, peer: str) -> list[int]:
+        behind = [(len(c), p, c) for p in self._asked if p != peer and p not in self.failed
+                  and (c := [i for i in self._pending(p) if peer in self._holders(i)])]
+        if not behind:
+            return []
+        n, victim, chunks = max(behind, key=lambda t: (t[0], t[1]))
+        if n == 1 and self._rate.get(victim, 0) >= self._rate.get(peer, 0):
+            return []  # its last chunk: no sooner from a link no faster
+        return chunks[n // 2:]
+
+    def _pending(self, peer: str) -> list[int]:
+        return [i for i in self._asked.get(peer, ()) if i not in self._arrived]
+
+    # -- what happened ------------------------------------------------------------------------
+
+    def arrived(self, i: int) -> bool:
+        """Chunk i came in; False if it had already (a duplicate, to be dropped)."""
+        if i in self._arrived:
+            return False
+        self._arrived.add(i)
+        return True
+
+    def redundant(self, peer: str) -> bool:
+        """Everything `peer`'s request still has to send has arrived from others: cancel it."""
+        return bool(self._asked.get(peer)) and not self._pending(peer)
+
+    def give_back(self, peer: str) -> None:
+        """`peer`'s request ended short (it no longer holds a chunk, or was cancelled): what it
+        did not send, and no other peer is asked for, goes to whoever takes it."""
+        unsent = self._pending(peer)
+        self._asked.pop(peer, None)
+        others = {i for p in self._asked if p not in self.failed for i in self._pending(p)}
+        self._todo = sorted(set(self._todo) | {i for i in unsent if i not in others})
+
+    def fail(self, peer: str) -> None:
+        """`peer` is not asked again in this fetch; its outstanding chunks go back."""
+        self.failed.add(peer)
+        untaken = self._first.pop(peer, [])
+        self.give_back(peer)
+        self._todo = sorted(set(self._todo) | {i for i in untaken if i not in self._arrived})
+
+    def missing(self) -> list[int]:
+        """Chunks not arrived."""
+        return [i for i in self.chunks if i not in self._arrived]
+
+    def done(self) -> bool:
+        return len(self._arrived) >= len(self.chunks)
+
+    def waiting(self) -> bool:
+        """Some chunk not arrived could still come: a request is out for it, or a live holder
+        could take it."""
+        if any(self._pending(p) for p in self._asked if p not in self.failed):
+            return True
+        live = [p for p in self.sources if p not in self.failed]
+        later = self._todo + [i for share in self._first.values() for i in share]
+        return any(p in self._holders(i) for i in later if i not in self._arrived for p in live)

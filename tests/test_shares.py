@@ -1,0 +1,101 @@
+"""The split of one fetch's chunks among the peers holding them (kvstreamd/shares.py): pure
+bookkeeping, driven here by hand and by random runs of arrivals and failures."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from kvstreamd.shares import Shares
+
+
+def everyone(*peers):
+    return lambda i: list(peers)
+
+
+def test_shares_follow_the_measured_links_and_interleave():
+    rates = {"a": 2.0, "b": 1.0, "c": 1.0}
+    s = Shares(range(8), everyone("a", "b", "c"), rates.get)
+    a, b, c = s.take("a"), s.take("b"), s.take("c")
+    assert sorted(a + b + c) == list(range(8))
+    assert len(a) == 4 and len(b) == 2 and len(c) == 2  # twice the link, twice the share
+    assert {a[0], b[0], c[0]} <= {0, 1, 2, 3}  # every source starts at once, near the front
+
+
+def test_an_unmeasured_link_counts_as_the_median_and_chunks_held_by_one_go_to_it():
+    held = {0: ["a", "b"], 1: ["a", "b"], 2: ["b"], 3: ["a", "b"]}
+    s = Shares(range(4), held.__getitem__, {"a": 5.0}.get)
+    assert 2 in s.take("b") and 2 not in s.take("a")
+
+
+def test_a_failed_peers_outstanding_chunks_go_to_the_others():
+    s = Shares(range(6), everyone("a", "b"), lambda p: 1.0)
+    a, b = s.take("a"), s.take("b")
+    assert s.arrived(a[0])
+    s.fail("a")
+    assert s.take("a") == []
+    assert s.waiting()
+    for i in b:
+        s.arrived(i)
+    assert s.take("b") == a[1:]  # what a did not send
+    for i in a[1:]:
+        s.arrived(i)
+    assert s.done() and not s.waiting()
+
+
+def test_a_peer_with_nothing_left_takes_the_second_half_of_the_slowest_and_duplicates_are_dropped():
+    s = Shares(range(8), everyone("a", "b"), lambda p: 1.0)
+    a, b = s.take("a"), s.take("b")
+    for i in b:
+        s.arrived(i)
+    s.arrived(a[0])
+    stolen = s.take("b")
+    assert stolen == a[-(len(a) - 1) // 2:] and stolen
+    for i in stolen:
+        assert s.arrived(i)
+    assert not s.redundant("a")
+    for i in a[1:]:
+        if i not in stolen:
+            s.arrived(i)
+    assert s.redundant("a")  # all a still had to send came from b: a's request can be cancelled
+    assert not s.arrived(stolen[0])  # a's copy, had it come, is a duplicate
+    assert s.done()
+
+
+def test_a_chunk_nobody_holds_leaves_nothing_to_wait_for():
+    held = {0: ["a"], 1: []}
+    s = Shares(range(2), held.__getitem__, lambda p: 1.0)
+    assert s.take("a") == [0]
+    s.arrived(0)
+    assert s.missing() == [1] and not s.waiting()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 24), st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=80))
+def test_every_chunk_arrives_once_while_one_live_holder_remains(n, steps):
+    """Random runs: peers take, chunks arrive from the peers asked for them, peers 1-3 may fail;
+    peer 0 never does. Every chunk arrives exactly once (duplicates refused) and nothing waits
+    forever."""
+    peers = ["p0", "p1", "p2", "p3"]
+    s = Shares(range(n), everyone(*peers), lambda p: 1.0 + peers.index(p))
+    asked = {p: s.take(p) for p in peers}
+    used = []
+    for who, fail in steps:
+        p = peers[who]
+        if fail and who:
+            s.fail(p)
+            asked[p] = []
+            continue
+        if asked[p]:
+            i = asked[p].pop(0)
+            if s.arrived(i):
+                used.append(i)
+        else:
+            asked[p] = s.take(p)
+    for _ in range(4 * n + 8):  # then p0 (and whoever is left) runs to the end
+        for p in peers:
+            if asked[p]:
+                i = asked[p].pop(0)
+                if s.arrived(i):
+                    used.append(i)
+            else:
+                asked[p] = s.take(p)
+    assert sorted(used) == list(range(n)) and s.done() and not s.waiting()
