@@ -48,7 +48,8 @@ class PeerState:
 class PeerManager:
     def __init__(self, node_id: str, secret: bytes, cfg: PeerConfig, store: Store, directory: Directory,
                  metrics: Metrics, caps: dict, recompute_tokens_per_s: float,
-                 profile_for: Callable[[str], Profile] | None = None) -> None:
+                 profile_for: Callable[[str], Profile] | None = None, tls=None) -> None:
+        self.tls = tls  # a transport.tls.PeerTLS (Config.tls()), or None: plaintext peer links
         self.node_id = node_id
         self.secret = secret
         self.cfg = cfg
@@ -75,7 +76,15 @@ class PeerManager:
         self.server = await aio.serve(host, port, self.node_id, self.secret, self._serve_fetch,
                                       on_connect=self._accepted, caps=self.caps,
                                       max_frame_bytes=self.cfg.max_frame_bytes,
-                                      handshake_timeout=self.cfg.handshake_timeout_s)
+                                      handshake_timeout=self.cfg.handshake_timeout_s,
+                                      ssl=self.tls.server if self.tls else None)
+        if self.tls:
+            log.info("peer links are TLS, mutually authenticated: both sides' certificates are checked "
+                     "against the cluster CA %s", self.tls.ca_subject)
+        else:
+            log.warning("peer links are plaintext: frames after the handshake are neither encrypted nor "
+                        "authenticated, so plaintext is for trusted networks only "
+                        "(set [peer] tls_cert, tls_key and tls_ca for TLS)")
         self._broadcaster = asyncio.ensure_future(self._broadcast())
         self.set_peers(self.cfg.peers)
 
@@ -164,7 +173,8 @@ class PeerManager:
                 conn = await asyncio.wait_for(
                     aio.connect(addr[0], addr[1], self.node_id, self.secret, handler=self._serve_fetch,
                                 caps=self.caps, max_frame_bytes=self.cfg.max_frame_bytes,
-                                handshake_timeout=self.cfg.handshake_timeout_s),
+                                handshake_timeout=self.cfg.handshake_timeout_s,
+                                ssl=self.tls.client if self.tls else None),
                     self.cfg.handshake_timeout_s + 5)
             except (OSError, aio.TransportError, asyncio.TimeoutError) as e:
                 state.last_error = f"{type(e).__name__}: {e}"
