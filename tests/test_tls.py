@@ -376,3 +376,20 @@ async def test_tls_files_that_do_not_load_stop_start_up_with_one_line(tmp_path, 
     assert await daemon._main(config.load(node.config_path)) == 2  # noqa: SLF001 - `kvstreamd run` minus the loop
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cannot start")]
     assert line.startswith(f"cannot start: {node.config_path}: [peer] tls_key: '{tmp_path / 'nope.key'}': cannot read: ")
+
+
+# -- the benchmark's two ends, once, over a shaped link (needs root and iproute2) -------------
+
+def test_the_tls_benchmark_moves_the_bytes_both_ways_over_a_shaped_link(pki):
+    from kvstreamd.bench import tls as bench
+    from kvstreamd.lab import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(f"cannot build network namespaces here: {why}")
+    with netns.Link(rate_mbit=200) as link:
+        plain = bench.one_run(link, None, chunks=3, chunk_bytes=2**20)
+        over_tls = bench.one_run(link, {"a": pki["a"], "b": pki["b"]}, chunks=3, chunk_bytes=2**20)
+    assert plain["bytes"] == over_tls["bytes"] == 3 * 2**20
+    assert plain["tls"] is None and over_tls["tls"] == "TLSv1.3"
+    assert 0 < plain["mbit_s"] < 200 * 1.1 and 0 < over_tls["mbit_s"] < 200 * 1.1  # the link's rate holds
