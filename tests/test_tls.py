@@ -98,7 +98,7 @@ def test_a_tls_link_authenticates_both_ways_and_carries_fetches_and_pings(pki, l
             keys = [bytes([i]) * 32 for i in range(len(PAYLOADS))]
             got = [m async for m in peer.fetch(keys, 5000, ["high"])]
             assert [m.payload for m in got] == PAYLOADS
-            assert await peer.ping() > 0
+            assert await peer.ping() >= 0  # a PING answered over TLS (uvloop's clock ticks in ms)
             (served,) = srv.connected
             for side, other_cn in ((peer, "a"), (served, "b")):
                 sslobj = side._transport.get_extra_info("ssl_object")  # noqa: SLF001

@@ -188,14 +188,17 @@ class TLSListener:
 
     async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, address = await loop.sock_accept(sock)
-            except OSError as e:  # EMFILE and the like: as asyncio's server, wait and go on
-                log.warning("peer listener: accept failed: %s", e)
-                await asyncio.sleep(1.0)
-                continue
-            self._spawn(self._handshake(conn, address))
+        try:
+            while True:
+                try:
+                    conn, address = await loop.sock_accept(sock)
+                except OSError as e:  # EMFILE and the like: as asyncio's server, wait and go on
+                    log.warning("peer listener: accept failed: %s", e)
+                    await asyncio.sleep(1.0)
+                    continue
+                self._spawn(self._handshake(conn, address))
+        finally:
+            sock.close()  # here, once the loop no longer waits on it
 
     async def _handshake(self, conn: socket.socket, address) -> None:
         loop = asyncio.get_running_loop()
@@ -222,10 +225,9 @@ class TLSListener:
                 self._on_refused(protocol, label, why)
 
     def close(self) -> None:
+        """Stop accepting (each accept loop closes its socket) and refuse handshakes in flight."""
         for task in list(self._tasks):
             task.cancel()
-        for sock in self.sockets:
-            sock.close()
 
     async def wait_closed(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)
