@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from transport import aio, tls
@@ -48,8 +49,11 @@ async def _serve(args) -> None:
     server = await aio.serve(args.host, args.port, "bench-sender", bytes.fromhex(args.secret), handler,
                              ssl=t.server if t else None)
     print("ready", flush=True)
+    cpu0 = time.process_time()  # from the ready line: the transfer, not the imports
     await done
+    cpu = time.process_time() - cpu0
     await asyncio.sleep(0.2)  # the END on its way
+    print(json.dumps({"cpu_s": cpu}), flush=True)
     server.close()
 
 
@@ -59,12 +63,12 @@ async def _fetch(args) -> None:
     peer = await aio.connect(args.addr, args.port, "bench-receiver", bytes.fromhex(args.secret),
                              ssl=t.client if t else None)
     keys = [i.to_bytes(32, "big") for i in range(args.chunks)]
-    t0 = loop.time()
+    t0, cpu0 = loop.time(), time.process_time()
     nbytes = 0
     async for msg in peer.fetch(keys, 600_000, [LEVEL]):
         nbytes += len(msg.payload)
-    seconds = loop.time() - t0
-    print(json.dumps({"seconds": seconds, "bytes": nbytes, "mbit_s": nbytes * 8 / seconds / 1e6,
+    seconds, cpu = loop.time() - t0, time.process_time() - cpu0
+    print(json.dumps({"seconds": seconds, "bytes": nbytes, "mbit_s": nbytes * 8 / seconds / 1e6, "receiver_cpu_s": cpu,
                       "tls": peer.tls, "cipher": (peer._transport.get_extra_info("cipher") or [None])[0]}),  # noqa: SLF001
           flush=True)
     peer.close()
@@ -85,7 +89,10 @@ def one_run(link: netns.Link, certs: dict | None, chunks: int, chunk_bytes: int,
                              capture_output=True, text=True, timeout=timeout)
         if out.returncode != 0:
             raise RuntimeError(f"the receiver failed:\n{out.stderr[-3000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        tail = server.stdout.readline().strip()
+        result["sender_cpu_s"] = json.loads(tail)["cpu_s"] if tail else None
+        return result
     finally:
         server.kill()
         server.wait()
@@ -109,13 +116,17 @@ def run(bandwidth_mbit: float = 1000, runs: int = 5, mib: int = 256, chunk_mib: 
             for mode in ("plaintext", "tls") if r % 2 == 0 else ("tls", "plaintext"):
                 got = one_run(link, certs if mode == "tls" else None, chunks, chunk_bytes)
                 results[mode].append(got)
-                log(f"  run {r + 1}/{runs} {mode:9s} {got['mbit_s']:7.1f} Mbit/s  {got['seconds']:.2f} s"
-                    f"  {got['tls'] or ''} {got['cipher'] or ''}")
+                log(f"  run {r + 1}/{runs} {mode:9s} {got['mbit_s']:7.1f} Mbit/s  {got['seconds']:.2f} s  CPU s "
+                    f"sender {got['sender_cpu_s']:.2f} receiver {got['receiver_cpu_s']:.2f}  {got['tls'] or ''}")
     med = {m: statistics.median(x["mbit_s"] for x in rs) for m, rs in results.items()}
     report = {"bandwidth_mbit": bandwidth_mbit, "bytes_per_run": chunks * chunk_bytes, "chunk_bytes": chunk_bytes,
               "runs": runs, "cpus": len(os.sched_getaffinity(0)), "loadavg": os.getloadavg(),
               "median_mbit_s": {m: round(v, 1) for m, v in med.items()},
               "tls_over_plaintext": round(med["tls"] / med["plaintext"], 3),
+              # CPU seconds per GiB moved, each end (what TLS costs where the link is not the limit)
+              "cpu_s_per_gib": {m: {end: round(statistics.median(x[f"{end}_cpu_s"] for x in rs) * 2**30
+                                              / (chunks * chunk_bytes), 2) for end in ("sender", "receiver")}
+                                for m, rs in results.items()},
               "tls_version": results["tls"][0]["tls"], "cipher": results["tls"][0]["cipher"],
               "runs_mbit_s": {m: [round(x["mbit_s"], 1) for x in rs] for m, rs in results.items()}}
     report["within_10_percent"] = report["tls_over_plaintext"] >= 0.9
@@ -126,11 +137,13 @@ def run(bandwidth_mbit: float = 1000, runs: int = 5, mib: int = 256, chunk_mib: 
 
 
 def summary(report: dict) -> str:
-    m = report["median_mbit_s"]
+    m, c = report["median_mbit_s"], report["cpu_s_per_gib"]
     return (f"{report['bandwidth_mbit']:g} Mbit/s link, {report['bytes_per_run'] / 2**20:.0f} MiB per run in "
             f"{report['chunk_bytes'] / 2**20:.0f} MiB chunks, median of {report['runs']}:\n"
             f"  plaintext {m['plaintext']:.1f} Mbit/s\n"
             f"  TLS       {m['tls']:.1f} Mbit/s ({report['tls_version']}, {report['cipher']})\n"
+            f"  CPU s per GiB (sender, receiver): plaintext {c['plaintext']['sender']}, {c['plaintext']['receiver']}; "
+            f"TLS {c['tls']['sender']}, {c['tls']['receiver']}\n"
             f"  TLS / plaintext = {report['tls_over_plaintext']:.3f} "
             f"({'within' if report['within_10_percent'] else 'NOT within'} 10%)")
 
