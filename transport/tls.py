@@ -102,8 +102,8 @@ def client_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
     """The dialler's context: presents `cert`, requires the server's chain to end at `ca`;
     the server's name is not checked (see the module's docstring)."""
     ctx = _new(ssl.PROTOCOL_TLS_CLIENT, cert, key, ca)[0]
-    ctx.check_hostname = False  # before verify_mode stays CERT_REQUIRED: the chain is still checked
-    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.check_hostname = False  # the name is not checked ...
+    ctx.verify_mode = ssl.CERT_REQUIRED  # ... the chain still is
     return ctx
 
 
