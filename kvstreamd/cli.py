@@ -41,6 +41,18 @@ def _bench_stream(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_tls(args: argparse.Namespace) -> int:
+    from .bench import tls as bench
+
+    report = bench.run(_mbits([args.bandwidth])[0], runs=args.runs, mib=args.mib, chunk_mib=args.chunk_mib,
+                       json_path=args.json)
+    print()
+    print(bench.summary(report))
+    if args.json:
+        print(f"\nJSON written to {args.json}")
+    return 0
+
+
 def _mbits(values: list[str]) -> list[float]:
     return [float(b.lower().removesuffix("mbit")) for b in values]
 
@@ -303,6 +315,14 @@ def parser() -> argparse.ArgumentParser:
     bs.add_argument("--methods", nargs="+", default=None)
     bs.add_argument("--json", default="bench-out/stream.json")
     bs.set_defaults(func=_bench_stream)
+
+    bt = bsub.add_parser("tls", help="peer-link throughput with and without TLS over a shaped link")
+    bt.add_argument("--bandwidth", default="1000mbit", help="the link's rate, e.g. 1000mbit")
+    bt.add_argument("--runs", type=int, default=5, help="runs per mode, alternating (the median is kept)")
+    bt.add_argument("--mib", type=int, default=256, help="MiB moved per run")
+    bt.add_argument("--chunk-mib", type=int, default=4, help="MiB per chunk")
+    bt.add_argument("--json", default="bench-out/tls.json")
+    bt.set_defaults(func=_bench_tls)
 
     be = bsub.add_parser("e2e", help="TTFT on host b of a context stored on host a: recompute, fp16, int8, kvstreamd")
     model_option(be)

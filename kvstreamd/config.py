@@ -12,7 +12,7 @@ Relative paths in a file are taken relative to that file's directory. Three keys
 when absent or "": [node] id (the host name), [api] socket (`default_socket`) and [store] dir
 (`default_store_dir`); both of the latter follow the directories systemd creates for the unit.
 
-The file is long (~550 lines) on purpose: it is the whole schema, every key with its parser,
+The file is long (~600 lines) on purpose: it is the whole schema, every key with its parser,
 default and reload rule in one place, so that the keys config.toml documents and the keys the
 daemon accepts cannot drift apart.
 """
@@ -404,6 +404,9 @@ class PeerConfig:
     peers: tuple[tuple[str, int], ...] = _key((), parse=_peers, reload=True)
     secret: str = _key("", parse=_secret, reload=True, repr=False)  # never in logs
     secret_file: Path | None = _key(None, parse=_path, reload=True)
+    tls_cert: Path | None = _key(None, parse=_path)  # all three or none: see Config.tls()
+    tls_key: Path | None = _key(None, parse=_path)
+    tls_ca: Path | None = _key(None, parse=_path)
     max_frame_bytes: int = _key(128 * MiB, parse=_size(64 * KiB, 4 * GiB))
     handshake_timeout_s: float = _key(5.0, parse=_float(gt=0))
     max_keys_per_peer: int = _key(1_000_000, parse=_int(1))
@@ -497,6 +500,20 @@ class Config:
         if mode & 0o004:
             log.warning("%s: %s is world-readable; chmod o-r it", where, path)
         return data
+
+    def tls(self):
+        """The peer links' TLS (a transport.tls.PeerTLS) from [peer] tls_cert, tls_key and
+        tls_ca, the files read now; None when they are not set (plaintext links). A file that
+        does not load is a ConfigError naming the key and the file."""
+        p = self.peer
+        if p.tls_cert is None:
+            return None
+        from transport import tls
+
+        try:
+            return tls.contexts(p.tls_cert, p.tls_key, p.tls_ca)
+        except tls.TLSFileError as e:
+            raise ConfigError(f"{self.source or _NO_FILE}: [peer] tls_{e.which}: {str(e.path)!r}: {e.why}") from None
 
     def workers(self) -> int:
         """Codec worker processes: [codec] workers, or 0 -> one per CPU this process may use."""
@@ -601,6 +618,13 @@ def _check(cfg: Config, f: str) -> None:
     if cfg.directory.backend == "redis" and not p.secret and p.secret_file is None:
         raise ConfigError(f"{f}: [peer] secret: [directory] backend = \"redis\" finds peers but there is no "
                           "secret to join them with: set [peer] secret or [peer] secret_file")
+    tls = {k: getattr(p, k) for k in ("tls_cert", "tls_key", "tls_ca")}
+    if any(v is not None for v in tls.values()):
+        unset = [k for k, v in tls.items() if v is None]
+        if unset:
+            given = ", ".join(f"[peer] {k}" for k, v in tls.items() if v is not None)
+            raise ConfigError(f"{f}: [peer] {unset[0]}: not set, but {given} is: TLS needs all three of "
+                              "[peer] tls_cert, tls_key and tls_ca (or none of them, for plaintext)")
     if p.retry_max_s < p.retry_min_s:
         raise ConfigError(f"{f}: [peer] retry_max_s: {p.retry_max_s:g} is less than "
                           f"[peer] retry_min_s = {p.retry_min_s:g}")

@@ -95,6 +95,7 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.cfg
         secret = cfg.secret()  # first: a secret file that cannot be read stops start-up before anything runs
+        tls = cfg.tls()  # and so do TLS files that do not load
         gpu, gpu_why = resolve_device(cfg.codec.device)
         swept = sweep_stale() + sweep_stale(CODEC_SEG_PREFIX)  # fetch buffers; the codec pool's segments
         if swept:
@@ -120,7 +121,7 @@ class Daemon:
                 "recompute_tokens_per_s": cfg.fetch.recompute_tokens_per_s, "version": __version__}
         self.peers = PeerManager(self.node_id, secret, cfg.peer, self.store, self.directory, self.metrics, caps,
                                  cfg.fetch.recompute_tokens_per_s, lambda mid: self.coder.profile_for(mid),
-                                 idle_s=cfg.directory.idle_s)
+                                 idle_s=cfg.directory.idle_s, tls=tls)
         try:
             await self.peers.start()
         except OSError as e:

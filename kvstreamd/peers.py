@@ -50,7 +50,8 @@ class PeerState:
 class PeerManager:
     def __init__(self, node_id: str, secret: bytes, cfg: PeerConfig, store: Store, directory: Directory,
                  metrics: Metrics, caps: dict, recompute_tokens_per_s: float,
-                 profile_for: Callable[[str], Profile] | None = None, idle_s: float = 30.0) -> None:
+                 profile_for: Callable[[str], Profile] | None = None, idle_s: float = 30.0, tls=None) -> None:
+        self.tls = tls  # a transport.tls.PeerTLS (Config.tls()), or None: plaintext peer links
         self.node_id = node_id
         self.secret = secret
         self.cfg = cfg
@@ -83,7 +84,15 @@ class PeerManager:
         self.server = await aio.serve(host, port, self.node_id, self.secret, self._serve_fetch,
                                       on_connect=self._accepted, caps=self.caps,
                                       max_frame_bytes=self.cfg.max_frame_bytes,
-                                      handshake_timeout=self.cfg.handshake_timeout_s)
+                                      handshake_timeout=self.cfg.handshake_timeout_s,
+                                      ssl=self.tls.server if self.tls else None)
+        if self.tls:
+            log.info("peer links are TLS, mutually authenticated: both sides' certificates are checked "
+                     "against the cluster CA %s", self.tls.ca_subject)
+        else:
+            log.warning("peer links are plaintext: frames after the handshake are neither encrypted nor "
+                        "authenticated, so plaintext is for trusted networks only "
+                        "(set [peer] tls_cert, tls_key and tls_ca for TLS)")
         if self._gossip:
             self._broadcaster = asyncio.ensure_future(self._broadcast())
         self._reaper = asyncio.ensure_future(self._close_idle())
@@ -166,6 +175,14 @@ class PeerManager:
     def _accepted(self, conn: aio.PeerConnection) -> None:
         self._spawn(self._run_conn(conn, None))
 
+    async def _connect(self, host: str, port: int) -> aio.PeerConnection:
+        """Dial a peer: TCP (TLS where configured) and the handshake, within its timeout."""
+        return await asyncio.wait_for(
+            aio.connect(host, port, self.node_id, self.secret, handler=self._serve_fetch, caps=self.caps,
+                        max_frame_bytes=self.cfg.max_frame_bytes, handshake_timeout=self.cfg.handshake_timeout_s,
+                        ssl=self.tls.client if self.tls else None),
+            self.cfg.handshake_timeout_s + 5)
+
     async def connect_to(self, peer: str, address: str | None = None) -> aio.PeerConnection | None:
         """A ready connection to `peer`: one there is, or, where the directory gave its address
         ("host:port"), one dialled now (shared by the fetches that wait for it meanwhile) and
@@ -184,10 +201,7 @@ class PeerManager:
         state.address, state.attempts = address, state.attempts + 1
         try:
             host, port = parse_hostport(address, f"the directory's address of {peer}")
-            conn = await asyncio.wait_for(
-                aio.connect(host, port, self.node_id, self.secret, handler=self._serve_fetch, caps=self.caps,
-                            max_frame_bytes=self.cfg.max_frame_bytes, handshake_timeout=self.cfg.handshake_timeout_s),
-                self.cfg.handshake_timeout_s + 5)
+            conn = await self._connect(host, port)
         except (OSError, ConfigError, aio.TransportError, asyncio.TimeoutError) as e:
             state.last_error = f"{type(e).__name__}: {e}"
             log.info("peer %s at %s: cannot connect (%s)", peer, address, state.last_error)
@@ -225,11 +239,7 @@ class PeerManager:
         while True:
             state.attempts += 1
             try:
-                conn = await asyncio.wait_for(
-                    aio.connect(addr[0], addr[1], self.node_id, self.secret, handler=self._serve_fetch,
-                                caps=self.caps, max_frame_bytes=self.cfg.max_frame_bytes,
-                                handshake_timeout=self.cfg.handshake_timeout_s),
-                    self.cfg.handshake_timeout_s + 5)
+                conn = await self._connect(*addr)
             except (OSError, aio.TransportError, asyncio.TimeoutError) as e:
                 state.last_error = f"{type(e).__name__}: {e}"
                 if state.attempts <= 1 or state.attempts % 10 == 0:

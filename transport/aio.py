@@ -1,17 +1,21 @@
-"""The only module that touches sockets: the asyncio adapter that feeds protocol.Connection
-bytes and loop time, writes what it queues, and turns its events into a handler task per
-FETCH served (`ServedFetch`, the sender side) and an async iterator per fetch (`FetchCall`,
-the fetcher side). Every request rule, how a request ends and buffer accounting are the
-Connection's; this module only moves bytes and wakes tasks."""
+"""With transport/tls.py (its TLS handshakes), the only module that touches sockets: the
+asyncio adapter that feeds protocol.Connection bytes and loop time, writes what it queues, and
+turns its events into a handler task per FETCH served (`ServedFetch`, the sender side) and an
+async iterator per fetch (`FetchCall`, the fetcher side). Every request rule, how a request
+ends and buffer accounting are the Connection's; this module only moves bytes and wakes
+tasks. TLS is an option of serve() and connect(). The file is long (~520 lines) because
+PeerConnection is the one place where the Connection's events meet asyncio's callbacks;
+split, each half would need the other's state."""
 from __future__ import annotations
 
 import asyncio
 import inspect
 import logging
 import math
+import ssl as _ssl
 from typing import Any, Awaitable, Callable, Coroutine
 
-from . import frames
+from . import frames, tls as _tls
 from .calls import (ConnectionClosedError, FetchCall, FetchCancelled, FetchError, FetchFailed,
                     FetchInterrupted, FetchStalled, FetchTimedOut, HandshakeError, ServedFetch,
                     TransportError, grace_s)
@@ -88,6 +92,7 @@ class PeerConnection(asyncio.Protocol):
         self._reading_paused = False  # what the transport was last told
         self._tasks: set[asyncio.Task] = set()
         self._label = "?"  # the peer's node id once known, its address before; for logs
+        self.tls: str | None = None  # the TLS version ("TLSv1.3") when the link runs over TLS
 
     def __repr__(self) -> str:
         return f"<PeerConnection {self.conn.role} {self.node_id}->{self._label} {self.conn.state.value}>"
@@ -214,6 +219,8 @@ class PeerConnection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
         address = transport.get_extra_info("peername")
         self._label = f"{address[0]}:{address[1]}" if address else "?"
+        if (sslobj := transport.get_extra_info("ssl_object")) is not None:
+            self.tls = sslobj.version()
         self._timer = self._loop.call_later(self._handshake_timeout, self._on_handshake_timeout)
         self._flush()  # our HELLO
 
@@ -226,6 +233,11 @@ class PeerConnection(asyncio.Protocol):
         return False  # a half-closed peer cannot take our replies; close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.tls and self.conn.state is not State.CLOSED and (
+                isinstance(exc, _ssl.SSLError) or self.conn.state is not State.READY):
+            # what the TLS layer said (TLS 1.3: a server refuses our certificate after the
+            # handshake is done on our side), not just "connection lost"; its ERROR is never written
+            self.conn.close(_tls.TLS_FAILED, _tls.lost_reason(exc, self.conn.state.value))
         self.conn.receive_eof(self._loop.time())  # CONNECTION_LOST, unless closed already
         self._process()
         if not self._lost.done():
@@ -334,7 +346,8 @@ class PeerConnection(asyncio.Protocol):
         if self._timer:
             self._timer.cancel()
         self.peer_node_id, self.peer_caps = event.peer_node_id, event.peer_caps
-        log.info("peer %s: connected from %s (%s)", self.peer_node_id, self._label, self.conn.role)
+        log.info("peer %s: connected from %s (%s, %s)", self.peer_node_id, self._label, self.conn.role,
+                 self.tls or "plaintext")
         self._label = self.peer_node_id
         self._ready.set_result(None)
         if self._on_connect is not None:
@@ -409,13 +422,16 @@ class Server:
     """A listening socket whose connections are PeerConnections serving FETCHes with the
     handler. One connection's garbage, timeout or disconnect closes only that connection."""
 
-    def __init__(self, node_id: str, secret: bytes, handler: Handler | None, **options: Any):
+    def __init__(self, node_id: str, secret: bytes, handler: Handler | None, *,
+                 ssl: _ssl.SSLContext | None = None, **options: Any):
         self.node_id = node_id
         self.connections: set[PeerConnection] = set()  # open connections, handshaken or not
+        self.tls_refused = 0  # connections refused by the TLS handshake (no frame read)
         self._secret = secret
         self._handler = handler
+        self._ssl = ssl
         self._options = options
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | _tls.TLSListener | None = None
 
     @property
     def port(self) -> int:
@@ -426,7 +442,16 @@ class Server:
     async def listen(self, host: str, port: int) -> None:
         """Start accepting on host:port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._new_connection, host, port)
+        if self._ssl is None:
+            self._server = await loop.create_server(self._new_connection, host, port)
+            return
+        timeout = self._options.get("handshake_timeout", DEFAULT_HANDSHAKE_TIMEOUT)
+        self._server = _tls.TLSListener(self._ssl, timeout, self._new_connection, self._refused)
+        await self._server.listen(host, port)
+
+    def _refused(self, peer: PeerConnection, address: str, why: str) -> None:
+        self.tls_refused += 1  # that connection never reached its PeerConnection
+        self.connections.discard(peer)
 
     def _new_connection(self) -> PeerConnection:
         peer = PeerConnection("server", self.node_id, self._secret, handler=self._handler,
@@ -459,10 +484,13 @@ async def serve(host: str, port: int, node_id: str, secret: bytes, handler: Hand
                 on_connect: OnConnect | None = None, caps: dict | None = None,
                 max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-                max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES) -> Server:
+                max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+                ssl: _ssl.SSLContext | None = None) -> Server:
     """Listen on host:port; each connection's FETCHes go to `handler(served, fetch)`,
-    and `on_connect(peer)` runs once a connection is READY."""
-    server = Server(node_id, secret, handler, on_connect=on_connect, caps=caps,
+    and `on_connect(peer)` runs once a connection is READY. With `ssl` (transport.tls's
+    server context) every connection is TLS: the handshake, within `handshake_timeout`,
+    comes before any frame is read, and a peer it refuses is logged and dropped."""
+    server = Server(node_id, secret, handler, ssl=ssl, on_connect=on_connect, caps=caps,
                     max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,
                     max_buffered_bytes=max_buffered_bytes)
     await server.listen(host, port)
@@ -473,14 +501,25 @@ async def connect(host: str, port: int, node_id: str, secret: bytes, *,
                   handler: Handler | None = None, caps: dict | None = None,
                   max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
                   handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-                  max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES) -> PeerConnection:
+                  max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+                  ssl: _ssl.SSLContext | None = None) -> PeerConnection:
     """Connect and authenticate; returns a READY PeerConnection or raises HandshakeError
-    (OSError if the TCP connection itself fails)."""
+    (OSError if the TCP connection itself fails). With `ssl` (transport.tls's client context)
+    the link is TLS, its handshake within `handshake_timeout`; the server's chain is checked
+    against the CA, not its name (peers are dialled by address); a TLS failure is a
+    HandshakeError "tls_failed" saying why, e.g. "certificate verify failed: ..."."""
     loop = asyncio.get_running_loop()
-    _, peer = await loop.create_connection(
-        lambda: PeerConnection("client", node_id, secret, handler=handler, caps=caps,
-                               max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,
-                               max_buffered_bytes=max_buffered_bytes), host, port)
+    # server_hostname is SNI only: the client context does not check the name (transport/tls.py)
+    tls_args = {"ssl": ssl, "server_hostname": host, "ssl_handshake_timeout": handshake_timeout} if ssl else {}
+    try:
+        _, peer = await loop.create_connection(
+            lambda: PeerConnection("client", node_id, secret, handler=handler, caps=caps,
+                                   max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,
+                                   max_buffered_bytes=max_buffered_bytes), host, port, **tls_args)
+    except (_ssl.SSLError, ConnectionAbortedError) as e:  # the latter: past ssl_handshake_timeout
+        if ssl is None:
+            raise
+        raise HandshakeError(_tls.TLS_FAILED, f"TLS: {_tls.describe(e)}") from None
     try:
         await peer.wait_ready()
     except HandshakeError:
