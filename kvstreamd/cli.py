@@ -105,6 +105,18 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_fanout(args: argparse.Namespace) -> int:
+    from .bench import fanout as bench
+
+    report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
+                       holders=args.holders, model=args.model, json_path=args.json)
+    print()
+    print(bench.table(report))
+    if args.json:
+        print(f"\nJSON written to {args.json}")
+    return 0 if all(report["floors"].values()) else 1
+
+
 def _bench_scale(args: argparse.Namespace) -> int:
     import functools
 
@@ -339,6 +351,17 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", default="bench-out/e2e.png")
     be.add_argument("--quiet", action="store_true", help="no progress bars")
     be.set_defaults(func=_bench_e2e)
+
+    bf = bsub.add_parser("fanout", help="one context from several holders at once, each behind its own shaped "
+                                        "link, against one holder (needs root: network namespaces)")
+    bf.add_argument("--tokens", type=int, default=4096)
+    bf.add_argument("--bandwidth", type=float, default=100.0, help="Mbit/s of each holder's link")
+    bf.add_argument("--runs", type=int, default=5, help="timed fetches of each kind (medians reported)")
+    bf.add_argument("--level", default="high", help="the one level every chunk is stored and fetched at")
+    bf.add_argument("--holders", type=int, default=3)
+    bf.add_argument("--model", default=None, help="model to prefill with (default: SmolLM2-135M)")
+    bf.add_argument("--json", default="bench-out/fanout.json")
+    bf.set_defaults(func=_bench_fanout)
 
     bg = bsub.add_parser("gpu", help="GPU decode throughput and exactness on a synthetic 7B-sized context")
     bg.add_argument("--layers", type=int, default=32)

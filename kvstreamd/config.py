@@ -388,6 +388,7 @@ def _key(default: Any = dataclasses.MISSING, *, parse: Parser, reload: bool = Fa
 class NodeConfig:
     id: str = _key(parse=_node_id, computed=lambda env: _socket.gethostname())
     log_level: str = _key("info", parse=_choice("debug", "info", "warning", "error"), reload=True)
+    zone: str = _key("", parse=_string)
 
 
 @dataclass(frozen=True)

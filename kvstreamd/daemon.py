@@ -118,7 +118,8 @@ class Daemon:
             log.warning("no [peer] secret configured: using a random one, so no peer can join this node")
             secret = secrets.token_bytes(32)
         caps = {"levels": list(cfg.codec.levels), "decode_mbps": self.coder.decode_mbps,
-                "recompute_tokens_per_s": cfg.fetch.recompute_tokens_per_s, "version": __version__}
+                "recompute_tokens_per_s": cfg.fetch.recompute_tokens_per_s, "version": __version__,
+                "zone": cfg.node.zone}
         self.peers = PeerManager(self.node_id, secret, cfg.peer, self.store, self.directory, self.metrics, caps,
                                  cfg.fetch.recompute_tokens_per_s, lambda mid: self.coder.profile_for(mid),
                                  idle_s=cfg.directory.idle_s, tls=tls)
@@ -126,7 +127,8 @@ class Daemon:
             await self.peers.start()
         except OSError as e:
             raise StartupError(f"[peer] listen {cfg.peer.listen[0]}:{cfg.peer.listen[1]}: {e.strerror or e}") from None
-        await self.directory.start(self.node_id, advertised_address(cfg, self.peers.port), self.store.keys)
+        await self.directory.start(self.node_id, advertised_address(cfg, self.peers.port), self.store.keys,
+                                   cfg.node.zone)
         self.node = Node(cfg, self.store, self.directory, self.coder, self.peers, self.metrics, gpu, gpu_why)
         await self._start_api()
         self._reaper = asyncio.ensure_future(self._reap_buffers())

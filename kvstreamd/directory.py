@@ -18,12 +18,14 @@ class Holders:
     first key nobody holds). Peers cooling down after a stall are left out when asked."""
 
     def __init__(self, keys: Sequence[bytes], start: int, held: list[set[str]],
-                 cooling: Callable[[str], float | None], addresses: dict[str, str] | None = None) -> None:
+                 cooling: Callable[[str], float | None], addresses: dict[str, str] | None = None,
+                 zones: dict[str, str] | None = None) -> None:
         self.keys = list(keys)
         self.start = start
         self._held = held  # held[j]: the holders of keys[start + j]
         self._cooling = cooling
         self.addresses = addresses or {}  # node id -> "host:port", where the backend knows it
+        self.zones = zones or {}  # node id -> its [node] zone, where the backend knows it
 
     def of(self, i: int) -> set[str]:
         j = i - self.start
@@ -65,8 +67,8 @@ class Directory:
 
     # -- what a backend provides -----------------------------------------------------------------
 
-    async def start(self, node_id: str, address: str, held: Callable[[], list[bytes]]) -> None:
-        """Begin publishing this node (reachable at `address`) and the keys `held()` lists."""
+    async def start(self, node_id: str, address: str, held: Callable[[], list[bytes]], zone: str = "") -> None:
+        """Begin publishing this node (reachable at `address`, in `zone`) and the keys `held()` lists."""
 
     async def stop(self) -> None:
         pass

@@ -163,6 +163,19 @@ class PeerManager:
                 return c
         return None
 
+    @property
+    def zone(self) -> str:
+        """This node's [node] zone, as its HELLO says."""
+        return str(self.caps.get("zone") or "")
+
+    def zone_of(self, peer: str, holders=None) -> str:
+        """A peer's zone: what the directory says (Redis), else its connection's HELLO."""
+        zone = holders.zones.get(peer) if holders is not None else None
+        if zone is None:
+            conn = self.connection(peer)
+            zone = (conn.peer_caps or {}).get("zone") if conn is not None else None
+        return str(zone or "")
+
     def connected(self) -> list[str]:
         return sorted(n for n, conns in self.by_node.items() if conns)
 

@@ -237,7 +237,8 @@ class FetchJob:
         failed: set[str] = set()
         nxt, chunks = p.local, list(range(p.local, p.found))
         while True:
-            shares = Shares(chunks, lambda i: [q for q in p.holders.holders(i) if q not in failed], self._rate)
+            shares = Shares(chunks, lambda i: [q for q in p.holders.holders(i) if q not in failed], self._rate,
+                            near=self._near)
             nxt = await self._round(shares, ready, out, nxt, busy)
             chunks = shares.missing()
             if not chunks or not shares.failed or time.monotonic() >= self.peers_until:
@@ -280,6 +281,11 @@ class FetchJob:
             if isinstance(e, Exception):
                 raise e
         return nxt
+
+    def _near(self, peer: str) -> bool:
+        """`peer` is in this node's zone (or this node has none)."""
+        mine = self.peers.zone
+        return not mine or self.peers.zone_of(peer, self.plan.holders) == mine
 
     def _rate(self, peer: str) -> float | None:
         bw = self.peers.bandwidth

@@ -3,7 +3,8 @@ mesh: every host publishes the chunk keys it holds, and looks a prompt's key cha
 round trip; no host swaps key sets with, or even dials, a peer it does not fetch from.
 
 Layout, under [directory] prefix P (one per cluster):
-  P host:<node id>   "host:port" its peers dial; expires after [directory] lease_s unless the
+  P host:<node id>   {"address": "host:port" its peers dial, "zone": its [node] zone} (JSON);
+                     expires after [directory] lease_s unless the
                      host renews it (every lease_s / 3): a host that dies drops out of lookups
                      when its lease runs out.
   P chunk:<key hex>  the set of node ids holding that chunk.
@@ -22,6 +23,7 @@ has), publishes everything the store holds anew. Nothing a host holds is lost to
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -80,6 +82,7 @@ class RedisDirectory(Directory):
         self._p = cfg.prefix.encode()
         self.node_id = ""
         self.address = ""
+        self._record = b""  # this node's host entry
         self._held: Callable[[], list[bytes]] = list
         self.up = False
         self.down_since: float | None = None  # time.time() Redis stopped answering; None while up
@@ -88,6 +91,7 @@ class RedisDirectory(Directory):
         self._deltas: asyncio.Queue[tuple[bool, list[bytes]]] = asyncio.Queue()
         self._known: OrderedDict[bytes, set[str]] = OrderedDict()  # key -> holders, as last looked up
         self._addresses: dict[str, str] = {}
+        self._zones: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lease_renewed = asyncio.Event()
@@ -100,8 +104,9 @@ class RedisDirectory(Directory):
 
     # -- life cycle --------------------------------------------------------------------------
 
-    async def start(self, node_id: str, address: str, held: Callable[[], list[bytes]]) -> None:
+    async def start(self, node_id: str, address: str, held: Callable[[], list[bytes]], zone: str = "") -> None:
         self.node_id, self.address, self._held = node_id, address, held
+        self._record = json.dumps({"address": address, "zone": zone}).encode()
         self._loop = asyncio.get_running_loop()
         self._tasks = [asyncio.ensure_future(self._keep_lease()), asyncio.ensure_future(self._write_deltas())]
         try:  # the first lease and publish, if Redis is there; start-up does not wait longer
@@ -146,11 +151,11 @@ class RedisDirectory(Directory):
         lease_ms = int(self.cfg.lease_s * 1000)
         while True:
             try:
-                old = await self._redis.set(self._key("host", self.node_id), self.address, px=lease_ms, get=True)
+                old = await self._redis.set(self._key("host", self.node_id), self._record, px=lease_ms, get=True)
                 self._answered()
-                if old is not None and old.decode(errors="replace") != self.address:
+                if old is not None and old != self._record:
                     log.warning("directory: node id %s was leased by %s, now by this node at %s: two hosts "
-                                "share a node id", self.node_id, old.decode(errors="replace"), self.address)
+                                "share a node id", self.node_id, _host(old)[0], self.address)
                 if old is None or self._dirty:  # a first start, a lease that ran out, a Redis restarted empty
                     self._dirty = False
                     await self._publish_all()
@@ -215,15 +220,17 @@ class RedisDirectory(Directory):
                 held = [{n.decode() for n in nodes} - {self.node_id} for nodes in found]
                 for k, who in zip(ask, held):
                     self._remember(k, who)
-                self._addresses.update({addrs[i].decode(): addrs[i + 1].decode() for i in range(0, len(addrs), 2)})
-                return Holders(keys, start, held, self.cooling, self._addresses)
+                for i in range(0, len(addrs), 2):
+                    node = addrs[i].decode()
+                    self._addresses[node], self._zones[node] = _host(addrs[i + 1])
+                return Holders(keys, start, held, self.cooling, self._addresses, self._zones)
         held = []
         for k in ask:  # Redis is down: the holders last looked up, where this node still knows them
             who = set(self._known.get(k, ()))
             if chain and not who:
                 break
             held.append(who)
-        return Holders(keys, start, held, self.cooling, self._addresses)
+        return Holders(keys, start, held, self.cooling, self._addresses, self._zones)
 
     def _remember(self, key: bytes, who: set[str]) -> None:
         if who:
@@ -251,3 +258,12 @@ class RedisDirectory(Directory):
         return {"backend": "redis", "url": self.url, "prefix": self.cfg.prefix, "up": self.up,
                 "address": self.address, "lease_s": self.cfg.lease_s, "last_error": self.last_error,
                 "down_s": round(time.time() - self.down_since, 1) if self.down_since else None}
+
+
+def _host(record: bytes) -> tuple[str, str]:
+    """(address, zone) from a host entry."""
+    try:
+        rec = json.loads(record)
+        return str(rec["address"]), str(rec.get("zone") or "")
+    except (ValueError, KeyError, TypeError):
+        return record.decode(errors="replace"), ""  # (a bare address)

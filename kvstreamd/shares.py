@@ -14,7 +14,8 @@ MAX_SOURCES = 4  # holders one fetch pulls from at once
 
 class Shares:
     def __init__(self, chunks: Iterable[int], holders: Callable[[int], list[str]],
-                 rate: Callable[[str], float | None], max_sources: int = MAX_SOURCES) -> None:
+                 rate: Callable[[str], float | None], max_sources: int = MAX_SOURCES,
+                 near: Callable[[str], bool] = lambda peer: True) -> None:
         self.chunks = list(chunks)
         self._holders = holders  # asked anew each time: a holder that said NOT_FOUND drops out
         self._arrived: set[int] = set()
@@ -25,8 +26,10 @@ class Shares:
         known = [r for p in every if (r := rate(p))]
         default = sorted(known)[len(known) // 2] if known else 1.0  # unmeasured: the median link
         self._rate = {p: rate(p) or default for p in every}
-        ranked = sorted(every, key=lambda p: (-self._rate[p], p))
-        self.sources = ranked[:max_sources]
+        # holders in this node's zone first, the faster first; others only for what those lack
+        ranked = sorted(every, key=lambda p: (not near(p), -self._rate[p], p))
+        self._near = [p for p in ranked if near(p)][:max_sources]
+        self.sources = list(self._near)
         for i in self.chunks:  # and, past those, a holder of each chunk they do not hold
             if holders(i) and not set(holders(i)) & set(self.sources):
                 self.sources.append(next(p for p in ranked if p in holders(i)))
@@ -38,7 +41,8 @@ class Shares:
         load = {p: 0.0 for p in self.sources}
         out: dict[str, list[int]] = {p: [] for p in self.sources}
         for i in self.chunks:
-            can = [p for p in self.sources if p in self._holders(i)]
+            can = [p for p in self._near if p in self._holders(i)] or [p for p in self.sources
+                                                                        if p in self._holders(i)]
             if not can:
                 continue  # held by nobody: the fetch ends before it
             p = min(can, key=lambda q: (load[q] + 1 / self._rate[q], q))

@@ -63,6 +63,7 @@ async def inprocess(tmp_path, small_profile):
     """Daemons in this test's event loop (no subprocess, no root): `await inprocess(["a", "b"],
     codec={...})` starts one per name, each with its own store, API socket and peer port on
     loopback, peered with the others (not with `peered=False`: a Redis directory finds them),
+    with `per_node={name: {section: {...}}}` config of its own,
     coding with the small synthetic profile (or the one given as `profile=`). All are stopped
     at the end."""
     from kvstreamd import config as config_mod
@@ -74,13 +75,14 @@ async def inprocess(tmp_path, small_profile):
     started: list[Daemon] = []
 
     async def start(names: list[str], profile: profiles.Profile | None = None, peered: bool = True,
-                    **extra: dict) -> list[Daemon]:
+                    per_node: dict[str, dict] | None = None, **extra: dict) -> list[Daemon]:
         path = profile_path
         if profile is not None:
             path = tmp_path / f"{profile.id.hex()}.kvprofile"
             profile.save(path)
         codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(path), **extra.pop("codec", {})}
-        nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": codec_cfg, **extra}) for n in names]
+        nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": codec_cfg, **extra, **(per_node or {}).get(n, {})})
+                 for n in names]
         daemons = []
         for n in nodes:
             n.peers = [m.addr for m in nodes if m is not n] if peered else []

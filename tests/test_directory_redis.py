@@ -64,7 +64,7 @@ def evalsha_calls(server: RedisServer) -> int:
 
 async def test_a_context_put_on_one_node_is_found_and_fetched_by_another_that_dials_it_only_to_fetch(
         inprocess, server):
-    a, b = await inprocess(["a", "b"], peered=False, **directory(server))
+    a, b = await inprocess(["a", "b"], peered=False, per_node={"a": {"node": {"zone": "core"}}}, **directory(server))
     kv = synthetic_kv(600, seed=5).half()
     tokens = list(range(2000, 2600))
     async with client(a) as ca, client(b) as cb:
@@ -81,6 +81,8 @@ async def test_a_context_put_on_one_node_is_found_and_fetched_by_another_that_di
         calls = evalsha_calls(server)
         await cb.lookup(MODEL, tokens)
         assert evalsha_calls(server) == calls + 1, "a prompt's key chain is one round trip"
+        held = await b.directory.lookup([bytes.fromhex(k) for k in put["keys"]])
+        assert held.addresses == {"a": f"127.0.0.1:{a.peers.port}"} and held.zones == {"a": "core"}
 
         f = await cb.fetch(MODEL, tokens, deadline_ms=30_000)
         async with f:

@@ -54,3 +54,20 @@ async def test_a_fetched_context_is_served_onward_bit_identical_after_its_first_
         assert [(ev.kind, ev.source, ev.level) for ev in got_c] == [("kv", "b", "balanced")] * 3
         assert torch.equal(kv_c, kv_b)
         assert 'kvstreamd_put_chunks_total{outcome="fetched"} 3.0' in await cb.metrics()
+
+
+async def test_a_fetch_takes_chunks_from_holders_in_its_own_zone_and_from_others_only_for_the_rest(inprocess):
+    """[node] zone: the edge fetcher pulls from the edge holder alone while it holds the chunks,
+    and from the core holder only for the chunk the edge one lacks."""
+    zones = {"core": {"node": {"zone": "core"}}, "edge-b": {"node": {"zone": "edge"}},
+             "fetcher": {"node": {"zone": "edge"}}}
+    core, edge, f = await inprocess(["core", "edge-b", "fetcher"], per_node=zones, store={"keep_fetched": False})
+    tokens, kv = list(range(9000, 9768)), synthetic_kv(768, seed=13).half()
+    async with client(core) as cc, client(edge) as ce, client(f) as cf:
+        await cc.put(MODEL, tokens, kv)
+        await ce.put(MODEL, tokens[:512], kv[:, :, :512])
+        await until("the fetcher never learnt both holders' keys",
+                    lambda: f.directory.counts() == {"core": 3, "edge-b": 2})
+        assert f.peers.zone_of("core") == "core" and f.peers.zone_of("edge-b") == "edge"
+        got, _ = await fetch(cf, tokens)
+        assert [ev.source for ev in got] == ["edge-b", "edge-b", "core"]

@@ -60,6 +60,13 @@ def test_a_peer_with_nothing_left_takes_the_second_half_of_the_slowest_and_dupli
     assert s.done()
 
 
+def test_holders_in_this_nodes_zone_send_what_they_hold_and_the_others_only_the_rest():
+    held = {0: ["core", "edge"], 1: ["core", "edge"], 2: ["core"]}
+    s = Shares(range(3), held.__getitem__, {"core": 10.0, "edge": 1.0}.get, near=lambda p: p == "edge")
+    assert s.sources == ["edge", "core"]
+    assert s.take("edge") == [0, 1] and s.take("core") == [2]  # a far, faster link only for chunk 2
+
+
 def test_a_chunk_nobody_holds_leaves_nothing_to_wait_for():
     held = {0: ["a"], 1: []}
     s = Shares(range(2), held.__getitem__, lambda p: 1.0)
