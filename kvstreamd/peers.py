@@ -16,14 +16,14 @@ from transport import aio
 from transport.bandwidth import PeerBandwidth
 from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
 from codec import catalog, select_layers
-from codec.select import selected_size
 from codec.errors import CodecError
 from codec.layout import Layout
 from codec.profile import Profile
 from transport.policy import TEXT, adaptive_rule, fixed_rule
 from transport.send import send_chunks
 
-from .config import PeerConfig, parse_hostport, ConfigError
+from . import offer
+from .config import ConfigError, PeerConfig, parse_hostport
 from .directory import Directory, PeerDirectory
 from .metrics import Metrics, new_request_id
 from .store import Store
@@ -359,8 +359,8 @@ class PeerManager:
         held = next((i for i, r in enumerate(recs) if r is None or none_asked(r)), len(recs))
         cuts = self._cuts(recs[:held], fetch.prefix_tokens)
         coded = [lv for lv in asked if any(lv in r.levels for r in recs[:held])]
-        level_of = _nearest_held(recs, coded)
-        sizes, held = _coded_sizes(recs[:held], cuts, coded, level_of)
+        level_of = offer.nearest_held(recs, coded)
+        sizes, held = offer.coded_sizes(recs[:held], cuts, coded, level_of)
         missing = None
         if held < len(recs):
             r = recs[held]
@@ -474,33 +474,3 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
-
-
-def _nearest_held(recs, levels: list[str]) -> Callable[[int, str], str]:
-    """(chunk, level) -> the level that chunk is sent at when `level` is chosen: that one where
-    it is held, else the nearest it holds in `levels` (best first), a lower quality first."""
-    def level_of(i: int, level: str) -> str:
-        held = recs[i].levels
-        if level in held:
-            return level
-        k = levels.index(level)
-        return next((lv for lv in levels[k + 1:] + levels[:k][::-1] if lv in held), level)
-    return level_of
-
-
-def _coded_sizes(recs, cuts, levels, level_of) -> tuple[dict[str, list[int]], int]:
-    """Each chunk's size at each level (that is, at the level it goes at when that one is
-    chosen), for the chunks up to the first whose header does not read, and how many those are."""
-    sizes = {lv: [] for lv in levels}
-    for i, (r, cut) in enumerate(zip(recs, cuts)):
-        try:
-            row = {}
-            for lv in levels:
-                data = r.levels[level_of(i, lv)]
-                row[lv] = len(data) if cut is None else selected_size(data, cut)
-        except CodecError as e:
-            log.warning("chunk %s: header does not read: %s", r.key.hex()[:16], e)
-            return sizes, i
-        for lv, n in row.items():
-            sizes[lv].append(n)
-    return sizes, len(recs)

@@ -44,7 +44,9 @@ def test_peer_killed_mid_stream(tmp_path, long_context, short_context):
     with netns.Link(rate_mbit=8) as link:
         extra = {"codec": {"chunk_tokens": CHUNK, "workers": 1}}
         a = DaemonProcess("a", tmp_path / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)
-        b = DaemonProcess("b", tmp_path / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra)
+        # b keeps nothing it fetched: each step's fetch is of chunks held by a (and c), not by b
+        b = DaemonProcess("b", tmp_path / "b", host=link.addr["b"], netns=link.command("b", []),
+                          extra={**extra, "store": {"keep_fetched": False}})
         c = DaemonProcess("c", tmp_path / "c", host=link.addr["b"], netns=link.command("b", []), extra=extra)
         nodes = [a, b, c]
         for n in nodes:
