@@ -229,7 +229,7 @@ def run(bandwidth_mbit: float = 1000, delay_ms: float = 50, chunks: int = 16, ch
             secs = statistics.median(x[name]["seconds"] for x in rs)
             util = statistics.median(_utilisation(x[name], bandwidth_mbit) for x in rs)
             entry[name] = {"median_seconds": round(secs, 3), "median_utilisation": round(util, 3),
-                           "round_trips": round(secs / rtt_s, 1),
+                           "round_trips": round(secs / rtt_s, 1),  # fetch time in round trips (link time included)
                            "max_inflight": max(x[name]["sender"]["max_inflight"] for x in rs),
                            "windows": rs[len(rs) // 2][name]["sender"]["windows"],
                            "sender_estimate_mbit": rs[len(rs) // 2][name]["sender"]["estimate_mbit"],
@@ -247,7 +247,7 @@ def summary(report: dict) -> str:
     rows = [f"{report['bandwidth_mbit']:g} Mbit/s link, {report['delay_ms_each_way']:g} ms added each way, "
             f"{report['chunks']} chunks of {report['chunk_bytes'] / 2**20:g} MiB, median of {report['runs']}; "
             f"raw TCP through the relay {report['raw_relay']['median_mbit_s']} Mbit/s",
-            "| window | fetch | seconds | link utilisation | round trips | most chunks in flight |",
+            "| window | fetch | seconds | link utilisation | fetch time in RTTs | most chunks in flight |",
             "|---|---|---|---|---|---|"]
     for mode, entry in report["windows"].items():
         for name in ("cold", "warm"):
