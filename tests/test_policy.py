@@ -453,6 +453,41 @@ async def test_send_chunks_fills_a_long_fat_link_with_a_window_from_the_bandwidt
     assert all(r == pytest.approx(bw, rel=0.1) for r in bdp[2].samples[1:]), bdp[2].samples
 
 
+class BunchingServedFetch(FakeServedFetch):
+    """The ACKs of every `bunch` chunks arrive at once, when the last of them would: a fetcher
+    (or a relay) that read them in one go, late."""
+
+    def __init__(self, *args, bunch: int, **kw):
+        super().__init__(*args, **kw)
+        self.bunch = bunch
+        self._held: list[Ack] = []
+
+    def _ack(self, i: int, nbytes: int) -> int:
+        loop = asyncio.get_running_loop()
+        t = max(loop.time() + self.peer.delay / 2, self._link_free)
+        self._link_free = t + nbytes / self.peer.bandwidth
+        self._held.append(Ack(self.req, i, nbytes))
+        if len(self._held) == self.bunch or i == len(self.fetch.keys) - 1:
+            acked_at = self._link_free + self.peer.delay / 2
+            for ack in self._held:
+                loop.call_at(acked_at, self.acks.put_nowait, (ack, acked_at))
+            self._held = []
+        return nbytes
+
+
+async def test_bunched_acks_of_a_deep_window_do_not_inflate_the_estimate():
+    """Chunks that crossed back to back are timed over their run (up to a window), so ACKs that
+    arrive eight at a time still teach the link's rate (the estimator's last five samples all inside a bunch)."""
+    chunks, rtt, bw = 24, 0.05, mbit(1000)
+    sizes = {"high": [500_000] * chunks, TEXT: [3072] * chunks}
+    served = BunchingServedFetch(chunks, bw, rtt=rtt, bunch=8)
+    est = BandwidthEstimator()
+    done = await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1],
+                             fixed(["high"] * chunks), est, {"high": 0.0, TEXT: 0.5}, {"high": 0.0, TEXT: 0.0})
+    assert done.max_inflight > 8
+    assert est.estimate() == pytest.approx(bw, rel=0.2), est.samples
+
+
 async def test_send_chunks_does_not_probe_a_link_with_history():
     served = FakeServedFetch(2, mbit(100))
     sizes, work = _send_sizes(2)

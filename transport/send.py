@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from .bandwidth import BandwidthEstimator, Probe, crossing_s
+from .bandwidth import CLOCK_TICK, BandwidthEstimator, Probe, crossing_s
 from .policy import TEXT, Rule
 from .requests import DEFAULT_MAX_BUFFERED_BYTES
 from .sender import FetchSender
@@ -105,6 +105,7 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     busy = 0.0
     inflight: dict[int, tuple[float, int]] = {}  # chunk -> (when written, wire bytes)
     recent: deque[int] = deque(maxlen=8)  # wire bytes of the latest chunks written
+    run: deque[tuple[float, float, int]] = deque()  # (began, ACKed, bytes): latest chunks that crossed back to back
     windows: list[int] = []
     most = 0
     last_ack = started
@@ -131,12 +132,24 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
         # the link was idle a while, one round trip after its write (as for the probe:
         # crossing_s): the delivery counts from then, not from when it was written.
         base = min(max(sent_at, last_ack), acked_at)
-        began = base
         rtt = current_rtt() or 0.0
         if sent_at + rtt > base:
-            began = acked_at - min(acked_at - base, crossing_s(acked_at - sent_at, rtt))
+            began, back_to_back = acked_at - min(acked_at - base, crossing_s(acked_at - sent_at, rtt)), False
+        else:
+            began, back_to_back = base, sent_at <= last_ack
         busy += acked_at - began
-        sender.on_ack(ack.i, nbytes, began, acked_at)
+        # ACKs of chunks that crossed back to back can arrive bunched (a fetcher or a relay that
+        # read several at once, late): timed over the run of such chunks, up to a window of them
+        # (no more can bunch), the rate is what the link carried, however the ACKs were spread
+        # inside the run. The run starts at a chunk that took time of its own to cross: one
+        # ACKed in the same instant as the chunk before it crossed earlier than it seems.
+        if not back_to_back:
+            run.clear()
+        run.append((began, acked_at, nbytes))
+        while len(run) > current_window() or (len(run) > 1 and run[0][1] - run[0][0] < CLOCK_TICK):
+            run.popleft()
+        rate = sum(n for _, _, n in run) / max(acked_at - run[0][0], CLOCK_TICK)
+        sender.on_ack(ack.i, nbytes, acked_at - nbytes / rate, acked_at)
         last_ack = max(last_ack, acked_at)
 
     try:

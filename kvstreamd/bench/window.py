@@ -79,10 +79,12 @@ async def _fetch(args) -> None:
         nbytes = 0
         t0 = loop.time()
         last = t0
+        arrivals = []
         async for msg in peer.fetch(keys, 600_000, [LEVEL]):
             nbytes += len(msg.payload)
             last = loop.time()
-        out[name] = {"seconds": last - t0, "bytes": nbytes}
+            arrivals.append(round((last - t0) * 1000, 1))
+        out[name] = {"seconds": last - t0, "bytes": nbytes, "arrivals_ms": arrivals}
     print(json.dumps(out), flush=True)
     peer.close()
     await peer.wait_closed()
