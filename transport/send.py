@@ -1,5 +1,5 @@
 """The sender's loop for one FETCH, over a connection: probe a link never measured, then send
-each chunk at the level FetchSender picks, wait for its ACK, and END. The daemon and
+each chunk at the level FetchSender picks, a window of them in flight (window_chunks), and END. The daemon and
 `kvstreamd bench stream` both serve with this one function, so the bench measures the product."""
 from __future__ import annotations
 
