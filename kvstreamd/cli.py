@@ -53,6 +53,18 @@ def _bench_tls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_window(args: argparse.Namespace) -> int:
+    from .bench import window as bench
+
+    report = bench.run(_mbits([args.bandwidth])[0], delay_ms=args.delay_ms, chunks=args.chunks,
+                       chunk_mib=args.chunk_mib, runs=args.runs, json_path=args.json)
+    print()
+    print(bench.summary(report))
+    if args.json:
+        print(f"\nJSON written to {args.json}")
+    return 0
+
+
 def _mbits(values: list[str]) -> list[float]:
     return [float(b.lower().removesuffix("mbit")) for b in values]
 
@@ -335,6 +347,15 @@ def parser() -> argparse.ArgumentParser:
     bt.add_argument("--chunk-mib", type=int, default=4, help="MiB per chunk")
     bt.add_argument("--json", default="bench-out/tls.json")
     bt.set_defaults(func=_bench_tls)
+
+    bw = bsub.add_parser("window", help="fixed 2 vs bandwidth-delay-product window on a long, fat link")
+    bw.add_argument("--bandwidth", default="1000mbit", help="the link's rate, e.g. 1000mbit")
+    bw.add_argument("--delay-ms", type=float, default=50, help="added each way by the relay")
+    bw.add_argument("--chunks", type=int, default=16)
+    bw.add_argument("--chunk-mib", type=float, default=4, help="MiB per chunk")
+    bw.add_argument("--runs", type=int, default=5, help="runs per window, alternating (medians kept)")
+    bw.add_argument("--json", default="bench-out/window.json")
+    bw.set_defaults(func=_bench_window)
 
     be = bsub.add_parser("e2e", help="TTFT on host b of a context stored on host a: recompute, fp16, int8, kvstreamd")
     model_option(be)

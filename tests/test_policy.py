@@ -322,27 +322,31 @@ def test_sender_will_not_guess_the_link_before_a_probe():
 class FakePeer:
     """What send_chunks asks of the connection: a PING and a padded probe PING."""
 
-    def __init__(self, bandwidth: float):
+    def __init__(self, bandwidth: float, rtt: float = 0.0):
         self.bandwidth = bandwidth
+        self.delay = rtt
+        self.rtt: float | None = None  # what PeerConnection.rtt says: set by a ping
         self.probes: list[int] = []
 
     async def ping(self) -> float:
-        return 0.0
+        self.rtt = self.delay
+        return self.delay
 
     async def probe(self, size: int) -> tuple[float, float]:
         self.probes.append(size)
         t = asyncio.get_running_loop().time()
-        return t, t + size / self.bandwidth
+        return t, t + self.delay + size / self.bandwidth
 
 
 class FakeServedFetch:
     """A ServedFetch without a connection: each chunk is acknowledged as if it crossed a link
-    of `bandwidth` bytes/s."""
+    of `bandwidth` bytes/s and `rtt` seconds of round trip (half each way), the ACK arriving in
+    the ACK queue at the loop time it would."""
 
-    def __init__(self, chunks: int, bandwidth: float, remaining_s: float = 30.0):
+    def __init__(self, chunks: int, bandwidth: float, remaining_s: float = 30.0, rtt: float = 0.0):
         self.req = 5
         self.fetch = Fetch(self.req, [b"k%d" % i for i in range(chunks)], int(remaining_s * 1000), [])
-        self.peer = FakePeer(bandwidth)
+        self.peer = FakePeer(bandwidth, rtt)
         self.acks: asyncio.Queue = asyncio.Queue()
         self.written: list[tuple] = []
         self.ended: list[bool] = []
@@ -365,9 +369,11 @@ class FakeServedFetch:
 
     def _ack(self, i: int, nbytes: int) -> int:
         # one link: a chunk written while another is on it goes once that one has
-        t = max(asyncio.get_running_loop().time(), self._link_free)
+        loop = asyncio.get_running_loop()
+        t = max(loop.time() + self.peer.delay / 2, self._link_free)  # its first byte arrives
         self._link_free = t + nbytes / self.peer.bandwidth
-        self.acks.put_nowait((Ack(self.req, i, nbytes), self._link_free))
+        acked_at = self._link_free + self.peer.delay / 2
+        loop.call_at(acked_at, self.acks.put_nowait, (Ack(self.req, i, nbytes), acked_at))
         return nbytes
 
 
@@ -418,6 +424,68 @@ async def test_send_chunks_keeps_the_next_chunk_on_the_wire_while_the_last_is_ac
                       est, work, {"high": 0.0, TEXT: 0.0})
     assert DEPTH == 2 and written_at_get == [2, 3, 4, 5, 6, 6]
     assert all(r == pytest.approx(mbit(100), rel=0.05) for r in est.samples[1:]), est.samples
+
+
+async def test_send_chunks_fills_a_long_fat_link_with_a_window_from_the_bandwidth_delay_product():
+    """1 Gbit/s, 100 ms round trip, 1 MB chunks: the BDP is ~12 chunks, so far more than two
+    go out before the first ACK can come back, the fetch takes a few round trips rather than
+    one per two chunks, and the estimate stays the link's rate (the round trip of a chunk written
+    onto an idle link is not counted as its transfer)."""
+    from transport.send import window_chunks
+    chunks, rtt, bw = 16, 0.1, mbit(1000)
+    sizes = {"high": [1_000_000] * chunks, TEXT: [3072] * chunks}
+    work = {"high": 0.0, TEXT: 0.5}
+    runs = {}
+    for window in (2, None):
+        served = FakeServedFetch(chunks, bw, rtt=rtt)
+        est = BandwidthEstimator()
+        t0 = asyncio.get_running_loop().time()
+        done = await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1],
+                                 fixed(["high"] * chunks), est, work, {"high": 0.0, TEXT: 0.0}, window=window)
+        runs[window] = (asyncio.get_running_loop().time() - t0, done, est)
+    fixed2, bdp = runs[2], runs[None]
+    assert fixed2[1].max_inflight == 2
+    expect = window_chunks(bw, rtt, 1_000_040)
+    assert expect == 14 and bdp[1].max_inflight >= 12 and max(bdp[1].windows) == expect
+    assert bdp[1].windows[:2] == (2, 2) or bdp[1].windows[0] == 2  # no estimate of a chunk yet: the floor
+    assert fixed2[0] >= 8 * rtt  # two at a time: a round trip per two chunks, at least
+    assert bdp[0] < 4 * rtt  # the probe's round trip, the first chunk's, and 16 MB at 1 Gbit/s
+    assert all(r == pytest.approx(bw, rel=0.1) for r in bdp[2].samples[1:]), bdp[2].samples
+
+
+class BunchingServedFetch(FakeServedFetch):
+    """The ACKs of every `bunch` chunks arrive at once, when the last of them would: a fetcher
+    (or a relay) that read them in one go, late."""
+
+    def __init__(self, *args, bunch: int, **kw):
+        super().__init__(*args, **kw)
+        self.bunch = bunch
+        self._held: list[Ack] = []
+
+    def _ack(self, i: int, nbytes: int) -> int:
+        loop = asyncio.get_running_loop()
+        t = max(loop.time() + self.peer.delay / 2, self._link_free)
+        self._link_free = t + nbytes / self.peer.bandwidth
+        self._held.append(Ack(self.req, i, nbytes))
+        if len(self._held) == self.bunch or i == len(self.fetch.keys) - 1:
+            acked_at = self._link_free + self.peer.delay / 2
+            for ack in self._held:
+                loop.call_at(acked_at, self.acks.put_nowait, (ack, acked_at))
+            self._held = []
+        return nbytes
+
+
+async def test_bunched_acks_of_a_deep_window_do_not_inflate_the_estimate():
+    """Chunks that crossed back to back are timed over their run (up to a window), so ACKs that
+    arrive eight at a time still teach the link's rate (the estimator's last five samples all inside a bunch)."""
+    chunks, rtt, bw = 24, 0.05, mbit(1000)
+    sizes = {"high": [500_000] * chunks, TEXT: [3072] * chunks}
+    served = BunchingServedFetch(chunks, bw, rtt=rtt, bunch=8)
+    est = BandwidthEstimator()
+    done = await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1],
+                             fixed(["high"] * chunks), est, {"high": 0.0, TEXT: 0.5}, {"high": 0.0, TEXT: 0.0})
+    assert done.max_inflight > 8
+    assert est.estimate() == pytest.approx(bw, rel=0.2), est.samples
 
 
 async def test_send_chunks_does_not_probe_a_link_with_history():

@@ -1,24 +1,48 @@
 """The sender's loop for one FETCH, over a connection: probe a link never measured, then send
-each chunk at the level FetchSender picks, wait for its ACK, and END. The daemon and
+each chunk at the level FetchSender picks, a window of them in flight (window_chunks), and END. The daemon and
 `kvstreamd bench stream` both serve with this one function, so the bench measures the product."""
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from .bandwidth import BandwidthEstimator, Probe
+from .bandwidth import CLOCK_TICK, BandwidthEstimator, Probe, crossing_s
 from .policy import TEXT, Rule
+from .requests import DEFAULT_MAX_BUFFERED_BYTES
 from .sender import FetchSender
 
 if TYPE_CHECKING:
     from .aio import ServedFetch
 
-# Chunks on the wire at once: the next one is written as soon as the last is, so the link does
-# not sit idle for a round trip between chunks (stop-and-wait cost ~3.5 ms a chunk, ~10% of a
-# 512-token Gemma-3 chunk's time at 100 Mbit/s, docs/benchmarks.md); the level of each is still
-# chosen from every ACK before it but one.
-DEPTH = 2
+# Chunks on the wire at once: a window sized from the bandwidth-delay product, so a long
+# round trip costs one RTT per fetch rather than one per chunk. At least MIN_WINDOW (the
+# next chunk is written as soon as the last is, so even a LAN link never sits idle for a
+# round trip between chunks: stop-and-wait cost ~3.5 ms a chunk, ~10% of a 512-token Gemma-3
+# chunk's time at 100 Mbit/s, docs/benchmarks.md), at most MAX_WINDOW chunks and MAX_WINDOW_BYTES
+# bytes. The level of each is still chosen when it is about to be written, from every ACK so far.
+MIN_WINDOW = 2
+DEPTH = MIN_WINDOW  # the name the fixed window had; kept for callers
+MAX_WINDOW = 64
+# Half the fetcher's default receive buffer (max_buffered_bytes, 64 MiB; reading pauses above
+# it and resumes at half): chunks in flight alone can never make a fetcher stop reading. Past
+# 1 Gbit/s x 250 ms this is what bounds the window; raise both together (docs/protocol.md).
+MAX_WINDOW_BYTES = DEFAULT_MAX_BUFFERED_BYTES // 2
+
+
+def window_chunks(bandwidth: float | None, rtt: float | None, chunk_bytes: float, *,
+                  max_chunks: int = MAX_WINDOW, max_bytes: int = MAX_WINDOW_BYTES) -> int:
+    """How many chunks to keep in flight: enough to fill the link for a round trip, plus the
+    one being written, ceil(bandwidth * rtt / chunk_bytes) + 1, capped at `max_chunks` and at
+    `max_bytes` of chunks, never under MIN_WINDOW. `bandwidth` in bytes/s and `rtt` in
+    seconds are what the link taught (None: not known yet: MIN_WINDOW); `chunk_bytes` is a
+    typical chunk's wire size."""
+    if not bandwidth or bandwidth <= 0 or rtt is None or rtt <= 0 or chunk_bytes <= 0:
+        return MIN_WINDOW
+    bdp = math.ceil(bandwidth * rtt / chunk_bytes) + 1
+    return max(MIN_WINDOW, min(bdp, max_chunks, int(max_bytes // chunk_bytes)))
 
 
 @dataclass(frozen=True)
@@ -31,6 +55,8 @@ class Sent:
     started: float  # loop time send_chunks() began, before any probe
     deadline_missed: bool  # what END reported (False where it stopped short)
     stopped_at: int | None = None  # the chunk it could not make (payload_of gave None); not ended
+    max_inflight: int = 0  # the most chunks that were on the wire at once (written, not yet ACKed)
+    windows: tuple[int, ...] = ()  # the window in force as each chunk was written
 
 
 async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
@@ -40,7 +66,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                       on_sent: Callable[[int, str, int], None] | None = None,
                       before_send: Callable[[int, str], None] | None = None,
                       count: int | None = None,
-                      level_of: Callable[[int, str], str] | None = None) -> Sent:
+                      level_of: Callable[[int, str], str] | None = None,
+                      window: int | None = None) -> Sent:
     """Send every chunk of `served`'s FETCH, then END "ok" with whether its deadline (counted
     from the FETCH's arrival) was missed. With `count` short of the FETCH's chunks, send chunks
     [0, count) only and leave the request open: the caller ends it with an ERROR.
@@ -48,9 +75,11 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     `sizes[level][i]` is chunk i's size at each level on offer (TEXT among them if allowed),
     `payload_of(i, level)` its encoded bytes, `text_of(i)` its token ids; `work_s` and `dppl`
     are what each level costs the fetcher in seconds and in quality. A peer whose link has
-    no history (`estimator.needs_probe`) is probed first with a padded PING. Chunks go in
-    order, DEPTH on the wire at once: the next is chosen once the one DEPTH - 1 before it is
-    acknowledged, from what the ACKs taught.
+    no history (`estimator.needs_probe`) is probed first with a padded PING (and a plain PING
+    for the round trip, both on the wire at once). Chunks go in order, up to a window of them
+    on the wire at once (window_chunks: the bandwidth-delay product from the estimate and the
+    connection's RTT, recomputed before each chunk; `window` fixes it instead): each chunk's
+    level is chosen just before it is written, from every ACK received by then.
     `payload_of` returns None for a chunk it cannot make (damaged where it is kept): the loop
     stops before it and leaves the request open, as with `count`, and says so in `stopped_at`.
     `before_send(i, level)` runs just before chunk i is written; `on_sent(i, level, nbytes)`
@@ -59,52 +88,111 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     are then that level's), named so on the wire."""
     loop = asyncio.get_running_loop()
     started = loop.time()
+    pinging: asyncio.Task | None = None
     if estimator.needs_probe:
         probe = Probe()
-        rtt = await served.peer.ping()
-        sent_at, acked_at = await served.peer.probe(probe.size)
+        # one round trip for both: the PING's PONG comes back first, the probe's after its bytes
+        rtt, (sent_at, acked_at) = await asyncio.gather(served.peer.ping(), served.peer.probe(probe.size))
         probe.record(estimator, sent_at, acked_at, rtt=rtt)
+    elif getattr(served.peer, "rtt", None) is None:
+        # a link with history on a connection never pinged: learn the round trip alongside the
+        # first chunks (the window stays MIN_WINDOW until the PONG)
+        pinging = asyncio.ensure_future(served.peer.ping())
     chunks = len(served.fetch.keys) if count is None else count
     sender = FetchSender(served.req, chunks, sizes, max(served.remaining() * 1000, 1.0), loop.time(),
                          rule, estimator, work_s, dppl)
     coded = 0
     busy = 0.0
     inflight: dict[int, tuple[float, int]] = {}  # chunk -> (when written, wire bytes)
+    recent: deque[int] = deque(maxlen=8)  # wire bytes of the latest chunks written
+    run: deque[tuple[float, float, int]] = deque()  # (began, ACKed, bytes): latest chunks that crossed back to back
+    windows: list[int] = []
+    most = 0
     last_ack = started
     stopped_at = None
-    while True:
-        while stopped_at is None and len(inflight) < DEPTH and (nxt := sender.next_chunk(loop.time())) is not None:
-            i, level = nxt
-            if level_of is not None and level != TEXT:
-                level = level_of(i, level)
-            if before_send is not None:
-                before_send(i, level)
-            sent_at = loop.time()
-            if level == TEXT:
-                nbytes = await served.send_text(i, text_of(i))
-            else:
-                payload = payload_of(i, level)
-                if payload is None:  # the chunks before it are acknowledged before the caller says so
-                    stopped_at = i
-                    break
-                nbytes = await served.send_chunk(i, level, payload)
-                coded += nbytes
-            if on_sent is not None:
-                on_sent(i, level, nbytes)
-            inflight[i] = (sent_at, nbytes)
-        if not inflight:
-            break
-        ack, acked_at = await served.acks.get()
+
+    def current_rtt() -> float | None:
+        rtt = getattr(served.peer, "rtt", None)
+        if rtt is None and pinging is not None and pinging.done() and not pinging.cancelled() \
+                and pinging.exception() is None:
+            rtt = pinging.result()
+        return rtt
+
+    def current_window() -> int:
+        if window is not None:
+            return window
+        if not recent:
+            return MIN_WINDOW
+        return window_chunks(estimator.estimate(), current_rtt(), sum(recent) / len(recent))
+
+    def acknowledged(ack, acked_at: float) -> None:
+        nonlocal busy, last_ack
         sent_at, nbytes = inflight.pop(ack.i)
-        # Written while the chunk before it was still on the link, its bytes went out once
-        # that one's had: its delivery counts from then, not from when it was written.
-        began = min(max(sent_at, last_ack), acked_at)
+        # Its bytes went onto the link once the chunk before it had crossed (its ACK) or, where
+        # the link was idle a while, one round trip after its write (as for the probe:
+        # crossing_s): the delivery counts from then, not from when it was written.
+        base = min(max(sent_at, last_ack), acked_at)
+        rtt = current_rtt() or 0.0
+        if sent_at + rtt > base:
+            began, back_to_back = acked_at - min(acked_at - base, crossing_s(acked_at - sent_at, rtt)), False
+        else:
+            began, back_to_back = base, sent_at <= last_ack
         busy += acked_at - began
-        sender.on_ack(ack.i, nbytes, began, acked_at)
+        # ACKs of chunks that crossed back to back can arrive bunched (a fetcher or a relay that
+        # read several at once, late): timed over the run of such chunks, up to a window of them
+        # (no more can bunch), the rate is what the link carried, however the ACKs were spread
+        # inside the run. The run starts at a chunk that took time of its own to cross: one
+        # ACKed in the same instant as the chunk before it crossed earlier than it seems.
+        if not back_to_back:
+            run.clear()
+        run.append((began, acked_at, nbytes))
+        while len(run) > current_window() or (len(run) > 1 and run[0][1] - run[0][0] < CLOCK_TICK):
+            run.popleft()
+        rate = sum(n for _, _, n in run) / max(acked_at - run[0][0], CLOCK_TICK)
+        sender.on_ack(ack.i, nbytes, acked_at - nbytes / rate, acked_at)
         last_ack = max(last_ack, acked_at)
+
+    try:
+        while True:
+            while not served.acks.empty():  # every ACK so far, before the next level is chosen
+                acknowledged(*served.acks.get_nowait())
+            if stopped_at is None and len(inflight) < (w := current_window()) \
+                    and (nxt := sender.next_chunk(loop.time())) is not None:
+                i, level = nxt
+                if level_of is not None and level != TEXT:
+                    level = level_of(i, level)
+                if before_send is not None:
+                    before_send(i, level)
+                sent_at = loop.time()
+                if level == TEXT:
+                    nbytes = await served.send_text(i, text_of(i))
+                else:
+                    payload = payload_of(i, level)
+                    if payload is None:  # the chunks before it are acknowledged before the caller says so
+                        stopped_at = i
+                        continue
+                    nbytes = await served.send_chunk(i, level, payload)
+                    coded += nbytes
+                if on_sent is not None:
+                    on_sent(i, level, nbytes)
+                inflight[i] = (sent_at, nbytes)
+                recent.append(nbytes)
+                windows.append(w)
+                most = max(most, len(inflight))
+                continue
+            if not inflight:
+                break
+            acknowledged(*await served.acks.get())
+    finally:
+        if pinging is not None:
+            if not pinging.done():
+                pinging.cancel()
+            elif not pinging.cancelled():
+                pinging.exception()  # a PING lost with the connection: the loop's own error says so
     if stopped_at is not None:
-        return Sent(sender, coded, busy, started, False, stopped_at=stopped_at)
+        return Sent(sender, coded, busy, started, False, stopped_at=stopped_at, max_inflight=most,
+                    windows=tuple(windows))
     missed = sender.deadline_missed(loop.time())
     if chunks == len(served.fetch.keys):
         await served.end(deadline_missed=missed)
-    return Sent(sender, coded, busy, started, missed)
+    return Sent(sender, coded, busy, started, missed, max_inflight=most, windows=tuple(windows))
