@@ -403,3 +403,21 @@ def test_streams_over_uvloop():
         assert isinstance(runner.get_loop(), uvloop.Loop)
         for got, n in zip(runner.run(asyncio.wait_for(main(), LIMIT)), (0, 5, 10)):
             assert_complete(got, KEYS[n:n + 5])
+
+
+def test_a_ping_and_a_probe_sent_in_one_tick_of_uvloops_clock_time_from_that_tick():
+    """The sender pings and probes a new link at once: the second PING of a tick gets a time of
+    its own (the PONG names its PING by time), but both are timed from the clock's tick, so a
+    PONG that comes back in that same millisecond never looks as if it came before its PING."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> list:
+        async with await aio.serve(HOST, 0, "srv", SECRET, streaming_handler()) as srv:
+            peer = await aio.connect(HOST, srv.port, "cli", SECRET)
+            got = [await asyncio.gather(peer.ping(), peer.probe(1024)) for _ in range(50)]
+            peer.close()
+            return got
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        for rtt, (sent, acked) in runner.run(asyncio.wait_for(main(), LIMIT)):
+            assert rtt >= 0 and acked >= sent

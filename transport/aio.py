@@ -187,12 +187,12 @@ class PeerConnection(asyncio.Protocol):
         return await self._ping(bytes(size))
 
     async def _ping(self, pad: bytes | None) -> tuple[float, float]:
-        t = self._loop.time()
-        while t in self._pings:  # the PONG names its PING by time alone
-            t = math.nextafter(t, math.inf)
+        sent = t = self._loop.time()
+        while t in self._pings:  # the PONG names its PING by time alone: a PING sent in the same
+            t = math.nextafter(t, math.inf)  # tick as another gets a time of its own, just past it
         fut = self._pings[t] = self._loop.create_future()
         await self._send(Ping(t, pad))
-        return t, await fut
+        return sent, await fut  # (the clock's time, not the PING's: its PONG may come in the same tick)
 
     def close(self, code: str = NORMAL, msg: str = "") -> None:
         """Tell the peer why (an ERROR frame), flush, and close the socket."""
