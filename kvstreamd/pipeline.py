@@ -13,7 +13,6 @@ or as TEXT, and the directory leaves it out of lookups for a cooldown."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
