@@ -7,6 +7,14 @@ import sys
 from pathlib import Path
 
 
+def _report(text: str, json_path: str | None) -> None:
+    """A benchmark's table, and where its JSON went."""
+    print()
+    print(text)
+    if json_path:
+        print(f"\nJSON written to {json_path}")
+
+
 def _bench_codec(args: argparse.Namespace) -> int:
     from .bench import codec as bench
 
@@ -46,10 +54,7 @@ def _bench_tls(args: argparse.Namespace) -> int:
 
     report = bench.run(_mbits([args.bandwidth])[0], runs=args.runs, mib=args.mib, chunk_mib=args.chunk_mib,
                        json_path=args.json)
-    print()
-    print(bench.summary(report))
-    if args.json:
-        print(f"\nJSON written to {args.json}")
+    _report(bench.summary(report), args.json)
     return 0
 
 
@@ -58,10 +63,7 @@ def _bench_window(args: argparse.Namespace) -> int:
 
     report = bench.run(_mbits([args.bandwidth])[0], delay_ms=args.delay_ms, chunks=args.chunks,
                        chunk_mib=args.chunk_mib, runs=args.runs, json_path=args.json)
-    print()
-    print(bench.summary(report))
-    if args.json:
-        print(f"\nJSON written to {args.json}")
+    _report(bench.summary(report), args.json)
     return 0
 
 
@@ -110,10 +112,7 @@ def _bench_gpu(args: argparse.Namespace) -> int:
                        chunk_tokens=args.chunk_tokens, level=args.level, device=args.device, reps=args.reps,
                        json_path=args.json, fit_tokens=args.fit_tokens, workers=args.workers,
                        progress=not args.quiet)
-    print()
-    print(bench.summary(report))
-    if args.json:
-        print(f"\nJSON written to {args.json}")
+    _report(bench.summary(report), args.json)
     return 0
 
 
@@ -122,10 +121,7 @@ def _bench_fanout(args: argparse.Namespace) -> int:
 
     report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
                        holders=args.holders, model=args.model, json_path=args.json)
-    print()
-    print(bench.table(report))
-    if args.json:
-        print(f"\nJSON written to {args.json}")
+    _report(bench.table(report), args.json)
     return 0 if all(report["floors"].values()) else 1
 
 
@@ -144,10 +140,7 @@ def _bench_scale(args: argparse.Namespace) -> int:
                        per_token_shape=args.per_token_shape, fit_tokens=args.fit_tokens,
                        cache_profiles=not args.no_profile_cache, json_path=args.json,
                        log=(lambda *a, **k: None) if args.quiet else functools.partial(print, flush=True))
-    print()
-    print(bench.table(report))
-    if args.json:
-        print(f"\nJSON written to {args.json}")
+    _report(bench.table(report), args.json)
     return 0 if report["pass"] else 1
 
 

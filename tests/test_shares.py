@@ -85,24 +85,22 @@ def test_every_chunk_arrives_once_while_one_live_holder_remains(n, steps):
     s = Shares(range(n), everyone(*peers), lambda p: 1.0 + peers.index(p))
     asked = {p: s.take(p) for p in peers}
     used = []
-    for who, fail in steps:
-        p = peers[who]
-        if fail and who:
-            s.fail(p)
-            asked[p] = []
-            continue
+
+    def step(p: str) -> None:  # p's next chunk arrives, or p asks for more
         if asked[p]:
             i = asked[p].pop(0)
             if s.arrived(i):
                 used.append(i)
         else:
             asked[p] = s.take(p)
+
+    for who, fail in steps:
+        if fail and who:
+            s.fail(peers[who])
+            asked[peers[who]] = []
+        else:
+            step(peers[who])
     for _ in range(4 * n + 8):  # then p0 (and whoever is left) runs to the end
         for p in peers:
-            if asked[p]:
-                i = asked[p].pop(0)
-                if s.arrived(i):
-                    used.append(i)
-            else:
-                asked[p] = s.take(p)
+            step(p)
     assert sorted(used) == list(range(n)) and s.done() and not s.waiting()

@@ -7,7 +7,6 @@ chunks' arrival. Plaintext and TLS runs alternate, so a busy machine slows both 
 report keeps each mode's median and the ratio TLS / plaintext."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -23,6 +22,7 @@ from transport.bandwidth import BandwidthEstimator
 from transport.policy import fixed_rule
 from transport.send import send_chunks
 
+from . import link_peer_parser
 from ..lab import netns
 
 PORT = 9410
@@ -149,14 +149,7 @@ def summary(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstreamd.bench.tls")
-    p.add_argument("role", choices=["serve", "fetch"])
-    p.add_argument("--secret", required=True, help="hex")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--addr")
-    p.add_argument("--port", type=int, default=PORT)
-    p.add_argument("--chunks", type=int, required=True)
-    p.add_argument("--chunk-bytes", type=int, required=True)
+    p = link_peer_parser("python -m kvstreamd.bench.tls", ["serve", "fetch"], PORT)
     p.add_argument("--cert")
     p.add_argument("--key")
     p.add_argument("--ca")

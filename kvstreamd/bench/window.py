@@ -18,7 +18,6 @@ utilisation = payload bytes x 8 / (fetch time x link rate). A raw byte transfer 
 relay (`raw-serve`/`raw-fetch`) measures what the relay and link carry by themselves."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -34,6 +33,7 @@ from transport.bandwidth import BandwidthEstimator
 from transport.policy import fixed_rule
 from transport.send import MIN_WINDOW, send_chunks
 
+from . import link_peer_parser
 from ..lab import netns
 
 PORT = 9420  # the sender, on host a's loopback: reachable only through the relay
@@ -260,14 +260,7 @@ def summary(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstreamd.bench.window")
-    p.add_argument("role", choices=["serve", "fetch", "raw-serve", "raw-fetch"])
-    p.add_argument("--secret", required=True, help="hex")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--addr")
-    p.add_argument("--port", type=int, default=PORT)
-    p.add_argument("--chunks", type=int, required=True)
-    p.add_argument("--chunk-bytes", type=int, required=True)
+    p = link_peer_parser("python -m kvstreamd.bench.window", ["serve", "fetch", "raw-serve", "raw-fetch"], PORT)
     p.add_argument("--window", type=int, default=0, help="chunks in flight; 0: from the bandwidth-delay product")
     p.add_argument("--fetches", type=int, default=2, help="serve: exit after this many")
     args = p.parse_args(argv)
