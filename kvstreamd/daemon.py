@@ -127,7 +127,7 @@ class Daemon:
             await self.peers.start()
         except OSError as e:
             raise StartupError(f"[peer] listen {cfg.peer.listen[0]}:{cfg.peer.listen[1]}: {e.strerror or e}") from None
-        await self.directory.start(self.node_id, advertised_address(cfg, self.peers.port), self.store.keys,
+        await self.directory.start(self.node_id, advertised_address(cfg, self.peers.port), self.store.held_levels,
                                    cfg.node.zone)
         self.node = Node(cfg, self.store, self.directory, self.coder, self.peers, self.metrics, gpu, gpu_why)
         await self._start_api()
@@ -137,10 +137,12 @@ class Daemon:
         sdnotify.ready(f"serving; peers on port {self.peers.port}")
 
     def _keys_changed(self, added: bool, keys: list[bytes]) -> None:
-        """The store took or dropped chunks (from any thread): the directory and the peers hear."""
-        self.directory.changed(added, keys)
+        """The store took (with their levels) or dropped chunks (from any thread): the directory
+        and the peers hear. (A chunk dropped again before this ran is left to its drop.)"""
+        held = self.store.held_levels(keys) if added else dict.fromkeys(keys, frozenset())
+        self.directory.changed(added, held)
         if self.peers is not None:
-            self.peers.keys_changed(added, keys)
+            self.peers.keys_changed(added, held)
 
     async def _start_api(self) -> None:
         path = Path(self.cfg.api.socket)

@@ -13,23 +13,48 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 
+Held = dict[bytes, frozenset[str]]  # chunk keys with the levels each is held at
+
+
 class Holders:
     """Who holds each key of keys[start:], as one lookup found it (a chain lookup stops at the
-    first key nobody holds). Peers cooling down after a stall are left out when asked."""
+    first key nobody holds), and at which levels where the backend knows them. Peers cooling
+    down after a stall are left out when asked; so is, once `want(levels)` has named a fetch's
+    levels, a holder known to hold a chunk at none of them (it would answer NOT_FOUND)."""
 
     def __init__(self, keys: Sequence[bytes], start: int, held: list[set[str]],
                  cooling: Callable[[str], float | None], addresses: dict[str, str] | None = None,
-                 zones: dict[str, str] | None = None) -> None:
+                 zones: dict[str, str] | None = None, levels: list[dict[str, frozenset[str]]] | None = None) -> None:
         self.keys = list(keys)
         self.start = start
         self._held = held  # held[j]: the holders of keys[start + j]
+        self._levels = levels or [{} for _ in held]  # levels[j][peer]: the levels it holds keys[start + j] at
         self._cooling = cooling
+        self._wanted: frozenset[str] | None = None
         self.addresses = addresses or {}  # node id -> "host:port", where the backend knows it
         self.zones = zones or {}  # node id -> its [node] zone, where the backend knows it
 
+    def want(self, levels: Sequence[str] | None) -> Holders:
+        """Count as holders only those holding a chunk at one of `levels` (None: at any)."""
+        self._wanted = None if levels is None else frozenset(levels)
+        return self
+
     def of(self, i: int) -> set[str]:
         j = i - self.start
-        return self._held[j] if 0 <= j < len(self._held) else set()
+        if not 0 <= j < len(self._held):
+            return set()
+        if self._wanted is None:
+            return self._held[j]
+        return {p for p in self._held[j] if (lv := self._levels[j].get(p)) is None or not lv.isdisjoint(self._wanted)}
+
+    def levels_of(self, peer: str, i: int) -> frozenset[str] | None:
+        """The levels `peer` holds chunk i at; None where that is not known (any may be)."""
+        j = i - self.start
+        return self._levels[j].get(peer) if 0 <= j < len(self._levels) else None
+
+    def levels_at(self, i: int) -> dict[str, frozenset[str]]:
+        j = i - self.start
+        return self._levels[j] if 0 <= j < len(self._levels) else {}
 
     def holders(self, i: int) -> list[str]:
         return sorted(p for p in self.of(i) if self._cooling(p) is None)
@@ -54,7 +79,9 @@ class Holders:
 
     def drop(self, peer: str, i: int) -> None:
         """`peer` said it does not hold chunk i after all."""
-        self.of(i).discard(peer)
+        j = i - self.start
+        if 0 <= j < len(self._held):
+            self._held[j].discard(peer)
 
 
 class Directory:
@@ -67,14 +94,15 @@ class Directory:
 
     # -- what a backend provides -----------------------------------------------------------------
 
-    async def start(self, node_id: str, address: str, held: Callable[[], list[bytes]], zone: str = "") -> None:
-        """Begin publishing this node (reachable at `address`, in `zone`) and the keys `held()` lists."""
+    async def start(self, node_id: str, address: str, held: Callable[[], Held], zone: str = "") -> None:
+        """Begin publishing this node (reachable at `address`, in `zone`) and the keys `held()`
+        lists, with their levels."""
 
     async def stop(self) -> None:
         pass
 
-    def changed(self, added: bool, keys: list[bytes]) -> None:
-        """This node's store took (added) or dropped `keys`; called from any thread."""
+    def changed(self, added: bool, keys: Held) -> None:
+        """This node's store took (added, with their levels) or dropped `keys`; called from any thread."""
 
     async def lookup(self, keys: Sequence[bytes], start: int = 0, chain: bool = True) -> Holders:
         """The holders of keys[start:] (chain: up to the first key nobody holds; else of every key)."""
@@ -123,36 +151,35 @@ class Directory:
 
 
 class PeerDirectory(Directory):
-    """The built-in backend: the keys each connected peer ADVERTISEd, until it WITHDRAWs them
-    or its last connection closes (the peers exchange them over their connections)."""
+    """The built-in backend: the keys each connected peer ADVERTISEd (with the levels, where it
+    said them), until it WITHDRAWs them or its last connection closes (the peers exchange them
+    over their connections)."""
 
     def __init__(self, max_keys_per_peer: int | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(clock=clock)
         self.max_keys_per_peer = max_keys_per_peer  # None: no cap
-        self._held: dict[str, set[bytes]] = {}
+        self._held: dict[str, dict[bytes, frozenset[str] | None]] = {}  # peer -> key -> levels (None: not said)
 
-    def add(self, peer: str, keys: Iterable[bytes]) -> int:
-        """Keep `keys` as held by `peer`, up to max_keys_per_peer of them; returns how many
-        new keys were refused for the cap (0 when all were kept)."""
-        held = self._held.setdefault(peer, set())
+    def add(self, peer: str, keys: Iterable[bytes], levels: Iterable[str] | None = None) -> int:
+        """Keep `keys` as held by `peer` (at `levels`; None: not said), up to max_keys_per_peer
+        of them; returns how many new keys were refused for the cap (0 when all were kept). A
+        key advertised again takes the levels said last."""
+        held = self._held.setdefault(peer, {})
+        lv = None if levels is None else frozenset(levels)
         cap = self.max_keys_per_peer
-        if cap is None:
-            held.update(keys)
-            return 0
         refused = 0
         for key in keys:
-            if key in held:
-                continue
-            if len(held) >= cap:
-                refused += 1
+            if key in held or cap is None or len(held) < cap:
+                held[key] = lv
             else:
-                held.add(key)
+                refused += 1
         return refused
 
     def remove(self, peer: str, keys: Iterable[bytes]) -> None:
         held = self._held.get(peer)
         if held is not None:
-            held.difference_update(keys)
+            for key in keys:
+                held.pop(key, None)
 
     def drop(self, peer: str) -> None:
         """Forget everything `peer` said (its last connection closed), and that it stalled: a
@@ -168,12 +195,14 @@ class PeerDirectory(Directory):
 
     def lookup_now(self, keys: Sequence[bytes], start: int = 0, chain: bool = True) -> Holders:
         held: list[set[str]] = []
+        levels: list[dict[str, frozenset[str]]] = []
         for key in keys[start:]:
-            who = {peer for peer, ks in self._held.items() if key in ks}
-            if chain and not who:
+            at = {peer: ks[key] for peer, ks in self._held.items() if key in ks}
+            if chain and not at:
                 break
-            held.append(who)
-        return Holders(keys, start, held, self.cooling)
+            held.append(set(at))
+            levels.append({peer: lv for peer, lv in at.items() if lv is not None})
+        return Holders(keys, start, held, self.cooling, levels=levels)
 
     def counts(self) -> dict[str, int]:
         return {peer: len(keys) for peer, keys in self._held.items()}

@@ -24,13 +24,23 @@ from transport.send import send_chunks
 
 from . import offer
 from .config import ConfigError, PeerConfig, parse_hostport
-from .directory import Directory, PeerDirectory
+from .directory import Directory, Held, PeerDirectory
 from .metrics import Metrics, new_request_id
 from .store import Store
 
 log = logging.getLogger("kvstreamd.peers")
 
 ADVERTISE_BATCH = 20_000  # keys per ADVERTISE frame (32 B each: well under max_frame_bytes)
+
+
+def advertisements(held: Held) -> list[Advertise]:
+    """ADVERTISEs of these keys: one per set of levels held, ADVERTISE_BATCH keys at most each."""
+    by_levels: dict[frozenset[str], list[bytes]] = {}
+    for key, levels in held.items():
+        by_levels.setdefault(levels, []).append(key)
+    return [Advertise(keys[i:i + ADVERTISE_BATCH], sorted(levels) or None)
+            for levels, keys in sorted(by_levels.items(), key=lambda kv: sorted(kv[0]))
+            for i in range(0, len(keys), ADVERTISE_BATCH)]
 
 
 @dataclass
@@ -73,7 +83,7 @@ class PeerManager:
         self._last_used: dict[aio.PeerConnection, float] = {}  # dialled connection -> loop time last busy
         self._reaper: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._deltas: asyncio.Queue[tuple[bool, list[bytes]]] = asyncio.Queue()
+        self._deltas: asyncio.Queue[tuple[bool, Held]] = asyncio.Queue()
         self._broadcaster: asyncio.Task | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -138,20 +148,21 @@ class PeerManager:
 
     # -- store deltas (called from any thread) ------------------------------------------------
 
-    def keys_changed(self, added: bool, keys: list[bytes]) -> None:
-        """The store took (added) or dropped `keys`: tell the connected peers, where they keep the
-        directory themselves."""
+    def keys_changed(self, added: bool, keys: Held) -> None:
+        """The store took (added, at those levels) or dropped `keys`: tell the connected peers,
+        where they keep the directory themselves."""
         if self._gossip:
-            self._loop.call_soon_threadsafe(self._deltas.put_nowait, (added, list(keys)))
+            self._loop.call_soon_threadsafe(self._deltas.put_nowait, (added, dict(keys)))
 
     async def _broadcast(self) -> None:
         while True:
             added, keys = await self._deltas.get()
-            msg = Advertise(keys) if added else Withdraw(keys)
+            msgs = advertisements(keys) if added else [Withdraw(list(keys))]
             for conns in list(self.by_node.values()):
                 for c in list(conns):
                     try:
-                        await c.send(msg)
+                        for msg in msgs:
+                            await c.send(msg)
                     except aio.TransportError:
                         pass  # that connection is going away; its reader cleans up
 
@@ -284,15 +295,14 @@ class PeerManager:
         log.info("peer %s: connected (%s)", peer, conn.conn.role)
         try:
             if self._gossip:
-                keys = self.store.keys()
-                for i in range(0, len(keys), ADVERTISE_BATCH):
-                    await conn.send(Advertise(keys[i:i + ADVERTISE_BATCH]))
+                for msg in advertisements(self.store.held_levels()):
+                    await conn.send(msg)
             over_cap = False
             async for msg in conn:
                 if not self._gossip:
                     continue  # (the directory is elsewhere: a peer's key lists are not needed)
                 if isinstance(msg, Advertise):
-                    refused = self.directory.add(peer, msg.keys)
+                    refused = self.directory.add(peer, msg.keys, msg.levels)
                     if refused:
                         # what one peer makes this node hold is bounded; past it, its keys are
                         # not kept (it is then not asked for those chunks), said once per connection

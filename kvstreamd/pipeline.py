@@ -35,7 +35,7 @@ from .directory import Directory, Holders
 from .metrics import Metrics
 from .peers import PeerManager
 from .keys import chunk_keys, prefix_keys
-from .shares import Shares
+from .shares import Shares, level_tier, needed_level
 from .store import Store
 
 log = logging.getLogger("kvstreamd.pipeline")
@@ -71,11 +71,12 @@ async def plan(store: Store, directory: Directory, model_id: str, tokens: list[i
                levels: list[str] | None = None) -> Plan:
     """One lookup of the prompt's key chain (and, where it stops inside a chunk, one of that
     chunk's shorter lengths). A chunk held here only at levels other than `levels` (the
-    fetch's; None: any) is looked for at a peer."""
+    fetch's; None: any) is looked for at a peer, and a peer known to hold a chunk only at other
+    levels does not count as its holder."""
     keys = chunk_keys(model_id, tokens, chunk_tokens)
     bounds = [(i * chunk_tokens, min((i + 1) * chunk_tokens, len(tokens))) for i in range(len(keys))]
     local = store.longest_prefix(keys, levels)
-    held = await directory.lookup(keys, local)
+    held = (await directory.lookup(keys, local)).want(levels)
     peers = held.longest_prefix(local)
     found = max([local, *peers.values()])
     if found < len(keys):
@@ -83,14 +84,16 @@ async def plan(store: Store, directory: Directory, model_id: str, tokens: list[i
         # that chunk at every length shorter than the prompt's, longest first (~1 ms of hashing).
         s, e = bounds[found]
         candidates = prefix_keys(keys[found - 1] if found else None, model_id, tokens[s:e - 1])
-        shorter = await directory.lookup(candidates, 0, chain=False)
+        shorter = (await directory.lookup(candidates, 0, chain=False)).want(levels)
         for k in range(len(candidates), 0, -1):
             key = candidates[k - 1]
             if (store.has(key, levels) and local == found) or shorter.holders(k - 1):
                 keys, bounds = keys[:found] + [key], bounds[:found] + [(s, s + k)]
                 local = store.longest_prefix(keys, levels)
+                at = [held.levels_at(i) for i in range(local, found)] + [shorter.levels_at(k - 1)]
                 run = [held.of(i) for i in range(local, found)] + [shorter.of(k - 1)] if local <= found else []
-                held = Holders(keys, local, run, directory.cooling, {**held.addresses, **shorter.addresses})
+                held = Holders(keys, local, run, directory.cooling, {**held.addresses, **shorter.addresses},
+                               levels=at[:len(run)]).want(levels)
                 peers = held.longest_prefix(local)
                 found = max([local, *peers.values()])
                 break
@@ -235,15 +238,20 @@ class FetchJob:
         busy = _Busy()
         failed: set[str] = set()
         nxt, chunks = p.local, list(range(p.local, p.found))
+
+        def holders(i: int) -> list[str]:
+            return [q for q in p.holders.holders(i) if q not in failed]
+
         while True:
-            shares = Shares(chunks, lambda i: [q for q in p.holders.holders(i) if q not in failed], self._rate,
-                            near=self._near)
+            needed = self._needed_level(chunks, {q for i in chunks for q in holders(i)})
+            shares = Shares(chunks, holders, self._rate, near=self._near,
+                            tier=lambda q, i: level_tier(p.holders.levels_of(q, i), needed, self.levels))
             nxt = await self._round(shares, ready, out, nxt, busy)
             chunks = shares.missing()
             if not chunks or not shares.failed or time.monotonic() >= self.peers_until:
                 break
             failed |= shares.failed
-            fresh = await self.peers.directory.lookup(p.keys, chunks[0])
+            fresh = (await self.peers.directory.lookup(p.keys, chunks[0])).want(self.levels)
             if not any(q not in failed for i in chunks for q in fresh.holders(i)):
                 break
             p.holders = fresh
@@ -285,6 +293,14 @@ class FetchJob:
         """`peer` is in this node's zone (or this node has none)."""
         mine = self.peers.zone
         return not mine or self.peers.zone_of(peer, self.plan.holders) == mine
+
+    def _needed_level(self, chunks: list[int], holders: set[str]) -> str:
+        """The level the deadline left needs for these chunks, over the holders' links together."""
+        prof = self.coder.profile_for(self.model_id)
+        token_bytes = prof.layers * 2 * prof.heads * prof.head_dim * 2  # fp16 K and V of one token
+        fp16 = sum(self.plan.bounds[i][1] - self.plan.bounds[i][0] for i in chunks) * token_bytes
+        rates = [r for q in holders if (r := self._rate(q))]
+        return needed_level(self.levels, fp16, sum(rates) if rates else None, self._remaining_ms() / 1000)
 
     def _rate(self, peer: str) -> float | None:
         bw = self.peers.bandwidth

@@ -8,10 +8,13 @@ Layout, under [directory] prefix P (one per cluster):
                      host renews it (every lease_s / 3): a host that dies drops out of lookups
                      when its lease runs out.
   P chunk:<key hex>  the set of node ids holding that chunk.
+  P levels:<key hex> node id -> the levels it holds that chunk at, comma-separated (a hash; a
+                     holder missing from it, as one before levels were published, holds any).
   P held:<node id>   the set of chunk keys the host published (so that a host that comes back
                      without some of them takes itself off those chunks).
 A lookup is one EVALSHA of LOOKUP below: the holders of each key whose host lease is live (a
-member whose lease has run out is removed on the way), and those hosts' addresses. The script
+member whose lease has run out is removed on the way) with the levels each holds it at, and
+those hosts' addresses. The script
 reads host keys it is not given, so it needs one Redis server (or a cluster whose keys share
 a hash slot: a prefix with a {tag}).
 
@@ -35,7 +38,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from .config import DirectoryConfig
-from .directory import Directory, Holders
+from .directory import Directory, Held, Holders
 from .metrics import Metrics
 
 log = logging.getLogger("kvstreamd.directory")
@@ -43,7 +46,8 @@ log = logging.getLogger("kvstreamd.directory")
 LOOKUP = """
 local host, chain = ARGV[1], ARGV[2] == '1'
 local out, alive = {}, {}
-for i, key in ipairs(KEYS) do
+for i = 1, #KEYS, 2 do
+  local key, lvkey = KEYS[i], KEYS[i + 1]
   local live = {}
   for _, node in ipairs(redis.call('SMEMBERS', key)) do
     local addr = alive[node]
@@ -51,10 +55,12 @@ for i, key in ipairs(KEYS) do
       addr = redis.call('GET', host .. node)
       alive[node] = addr
     end
-    if addr then table.insert(live, node) else redis.call('SREM', key, node) end
+    if addr then table.insert(live, node) else redis.call('SREM', key, node); redis.call('HDEL', lvkey, node) end
   end
   if chain and #live == 0 then break end
-  out[i] = live
+  local levels = {}
+  if #live > 0 then levels = redis.call('HMGET', lvkey, unpack(live)) end
+  out[#out + 1] = {live, levels}
 end
 local addrs = {}
 for node, addr in pairs(alive) do
@@ -83,13 +89,14 @@ class RedisDirectory(Directory):
         self.node_id = ""
         self.address = ""
         self._record = b""  # this node's host entry
-        self._held: Callable[[], list[bytes]] = list
+        self._held: Callable[[], Held] = dict
         self.up = False
         self.down_since: float | None = None  # time.time() Redis stopped answering; None while up
         self.last_error: str | None = None
         self._dirty = True  # what Redis has of this host may be out of date: publish it all
-        self._deltas: asyncio.Queue[tuple[bool, list[bytes]]] = asyncio.Queue()
-        self._known: OrderedDict[bytes, set[str]] = OrderedDict()  # key -> holders, as last looked up
+        self._deltas: asyncio.Queue[tuple[bool, Held]] = asyncio.Queue()
+        # key -> its holders, with the levels each holds it at where known, as last looked up
+        self._known: OrderedDict[bytes, dict[str, frozenset[str] | None]] = OrderedDict()
         self._addresses: dict[str, str] = {}
         self._zones: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
@@ -102,9 +109,12 @@ class RedisDirectory(Directory):
     def _chunk(self, key: bytes) -> bytes:
         return self._key("chunk", key.hex())
 
+    def _levels(self, key: bytes) -> bytes:
+        return self._key("levels", key.hex())
+
     # -- life cycle --------------------------------------------------------------------------
 
-    async def start(self, node_id: str, address: str, held: Callable[[], list[bytes]], zone: str = "") -> None:
+    async def start(self, node_id: str, address: str, held: Callable[[], Held], zone: str = "") -> None:
         self.node_id, self.address, self._held = node_id, address, held
         self._record = json.dumps({"address": address, "zone": zone}).encode()
         self._loop = asyncio.get_running_loop()
@@ -171,27 +181,33 @@ class RedisDirectory(Directory):
         """Make Redis say exactly what the store holds: add this node to every chunk it holds,
         and take it off every chunk it published before and holds no longer."""
         me, held_key = self.node_id.encode(), self._key("held", self.node_id)
-        current = set(await asyncio.to_thread(self._held))
+        current = await asyncio.to_thread(self._held)
         before = set(await self._redis.smembers(held_key))
-        gone = before - current
-        for added, keys in ((True, list(current)), (False, list(gone))):
+        gone = dict.fromkeys(before - current.keys(), frozenset())
+        for added, held in ((True, current), (False, gone)):
+            keys = list(held)
             for i in range(0, len(keys), BATCH):
-                await self._write(added, keys[i:i + BATCH], me, held_key)
+                await self._write(added, {k: held[k] for k in keys[i:i + BATCH]}, me, held_key)
         await self._redis.expire(held_key, HELD_TTL_S)
         log.info("directory: published %d chunk keys to Redis (%d withdrawn)", len(current), len(gone))
 
-    async def _write(self, added: bool, keys: list[bytes], me: bytes, held_key: bytes) -> None:
+    async def _write(self, added: bool, keys: Held, me: bytes, held_key: bytes) -> None:
         if not keys:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
-            for k in keys:
-                (pipe.sadd if added else pipe.srem)(self._chunk(k), me)
+            for k, levels in keys.items():
+                if added:
+                    pipe.sadd(self._chunk(k), me)
+                    pipe.hset(self._levels(k), me, ",".join(sorted(levels)))
+                else:
+                    pipe.srem(self._chunk(k), me)
+                    pipe.hdel(self._levels(k), me)
             (pipe.sadd if added else pipe.srem)(held_key, *keys)
             await pipe.execute()
 
-    def changed(self, added: bool, keys: list[bytes]) -> None:
+    def changed(self, added: bool, keys: Held) -> None:
         if self._loop is not None and keys:
-            self._loop.call_soon_threadsafe(self._deltas.put_nowait, (added, list(keys)))
+            self._loop.call_soon_threadsafe(self._deltas.put_nowait, (added, dict(keys)))
 
     async def _write_deltas(self) -> None:
         me, held_key = self.node_id.encode(), self._key("held", self.node_id)
@@ -211,28 +227,33 @@ class RedisDirectory(Directory):
         ask = list(keys[start:])
         if self.up and ask:
             try:
-                found, addrs = await self._lookup(keys=[self._chunk(k) for k in ask],
+                found, addrs = await self._lookup(keys=[n for k in ask for n in (self._chunk(k), self._levels(k))],
                                                   args=[self._key("host", ""), b"1" if chain else b"0"])
             except (RedisError, OSError) as e:
                 self._failed(e)
             else:
                 self._answered()
-                held = [{n.decode() for n in nodes} - {self.node_id} for nodes in found]
-                for k, who in zip(ask, held):
+                at = [{n.decode(): _levels(lv) for n, lv in zip(nodes, levels) if n.decode() != self.node_id}
+                      for nodes, levels in found]
+                for k, who in zip(ask, at):
                     self._remember(k, who)
                 for i in range(0, len(addrs), 2):
                     node = addrs[i].decode()
                     self._addresses[node], self._zones[node] = _host(addrs[i + 1])
-                return Holders(keys, start, held, self.cooling, self._addresses, self._zones)
-        held = []
+                return self._holders(keys, start, at)
+        at = []
         for k in ask:  # Redis is down: the holders last looked up, where this node still knows them
-            who = set(self._known.get(k, ()))
+            who = dict(self._known.get(k, {}))
             if chain and not who:
                 break
-            held.append(who)
-        return Holders(keys, start, held, self.cooling, self._addresses, self._zones)
+            at.append(who)
+        return self._holders(keys, start, at)
 
-    def _remember(self, key: bytes, who: set[str]) -> None:
+    def _holders(self, keys: Sequence[bytes], start: int, at: list[dict[str, frozenset[str] | None]]) -> Holders:
+        return Holders(keys, start, [set(who) for who in at], self.cooling, self._addresses, self._zones,
+                       [{n: lv for n, lv in who.items() if lv is not None} for who in at])
+
+    def _remember(self, key: bytes, who: dict[str, frozenset[str] | None]) -> None:
         if who:
             self._known[key] = who
             self._known.move_to_end(key)
@@ -267,3 +288,8 @@ def _host(record: bytes) -> tuple[str, str]:
         return str(rec["address"]), str(rec.get("zone") or "")
     except (ValueError, KeyError, TypeError):
         return record.decode(errors="replace"), ""  # (a bare address)
+
+
+def _levels(field: bytes | None) -> frozenset[str] | None:
+    """The levels a holder published for a chunk; None when it published none (any level)."""
+    return frozenset(field.decode().split(",")) if field else None

@@ -4,18 +4,47 @@ holders, each peer's share in proportion to its measured link, interleaved so th
 about in order (the fill stage takes them in order); a peer that fails or gives up hands its
 outstanding chunks back to the others; a peer with nothing left to ask for takes the second
 half of the outstanding chunks of the peer furthest behind (the last chunks come from whichever
-holder sends them first: a chunk is used once, the first time it arrives)."""
+holder sends them first: a chunk is used once, the first time it arrives). Holders are
+preferred by level too: one holding a chunk at the level the fetch's deadline needs comes before
+one holding only cheaper levels (on time, at a lower quality), and that before one holding only
+better levels (more bytes than the deadline allows)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+
+from codec import catalog
 
 MAX_SOURCES = 4  # holders one fetch pulls from at once
+SAFETY = 0.8  # of the deadline's time a needed level's guessed bytes may fill
+
+
+def needed_level(ladder: Sequence[str], fp16_bytes: float, rate: float | None, seconds: float) -> str:
+    """The best level of `ladder` (best first) whose chunks, at its nominal ratio, cross at
+    `rate` bytes/s within the deadline's `seconds`: the level a sender would pick for them;
+    the cheapest when none does, the best while no link is measured."""
+    if not ladder or rate is None:
+        return ladder[0] if ladder else ""
+    for level in ladder:
+        ratio = catalog.SCHEMES[level].ratio if level in catalog.SCHEMES else None
+        if ratio is not None and fp16_bytes / ratio <= rate * max(seconds, 0.0) * SAFETY:
+            return level
+    return ladder[-1]
+
+
+def level_tier(held: frozenset[str] | None, needed: str, ladder: Sequence[str]) -> int:
+    """How well a holder holding a chunk at `held` (None: not said) serves a fetch that needs
+    `needed`: 0 holds it (or may), 1 holds a cheaper level of the ladder, 2 only better ones."""
+    if held is None or needed in held or needed not in ladder:
+        return 0
+    n = ladder.index(needed)
+    return 1 if any(lv in held and ladder.index(lv) > n for lv in ladder) else 2
 
 
 class Shares:
     def __init__(self, chunks: Iterable[int], holders: Callable[[int], list[str]],
                  rate: Callable[[str], float | None], max_sources: int = MAX_SOURCES,
-                 near: Callable[[str], bool] = lambda peer: True) -> None:
+                 near: Callable[[str], bool] = lambda peer: True,
+                 tier: Callable[[str, int], int] = lambda peer, i: 0) -> None:
         self.chunks = list(chunks)
         self._holders = holders  # asked anew each time: a holder that said NOT_FOUND drops out
         self._arrived: set[int] = set()
@@ -26,8 +55,11 @@ class Shares:
         known = [r for p in every if (r := rate(p))]
         default = sorted(known)[len(known) // 2] if known else 1.0  # unmeasured: the median link
         self._rate = {p: rate(p) or default for p in every}
-        # holders in this node's zone first, the faster first; others only for what those lack
-        ranked = sorted(every, key=lambda p: (not near(p), -self._rate[p], p))
+        self._tier = tier  # level_tier of a holder for a chunk: lower is better
+        best = {p: min((tier(p, i) for i in self.chunks if p in holders(i)), default=2) for p in every}
+        # holders in this node's zone first, then by the levels they hold, the faster first;
+        # others only for what those lack
+        ranked = sorted(every, key=lambda p: (not near(p), best[p], -self._rate[p], p))
         self._near = [p for p in ranked if near(p)][:max_sources]
         self.sources = list(self._near)
         for i in self.chunks:  # and, past those, a holder of each chunk they do not hold
@@ -45,6 +77,8 @@ class Shares:
                                                                         if p in self._holders(i)]
             if not can:
                 continue  # held by nobody: the fetch ends before it
+            top = min(self._tier(p, i) for p in can)
+            can = [p for p in can if self._tier(p, i) == top]
             p = min(can, key=lambda q: (load[q] + 1 / self._rate[q], q))
             load[p] += 1 / self._rate[p]
             out[p].append(i)

@@ -433,6 +433,14 @@ class Store:
         with self._lock:
             return list(self._meta)
 
+    def held_levels(self, keys: Sequence[bytes] | None = None) -> dict[bytes, frozenset[str]]:
+        """Each held key (of `keys`, when given) with the levels it is held at: what this node
+        tells the directory. A key's levels do not change while it is held."""
+        with self._lock:
+            if keys is None:
+                return {k: m.levels for k, m in self._meta.items()}
+            return {k: m.levels for k in keys if (m := self._meta.get(k)) is not None}
+
     def longest_prefix(self, keys: Sequence[bytes], levels: Sequence[str] | None = None) -> int:
         """How many leading keys of `keys` are held (at one of `levels`, when given)."""
         with self._lock:

@@ -99,6 +99,36 @@ async def test_a_context_put_on_one_node_is_found_and_fetched_by_another_that_di
         assert status["directory"]["backend"] == "redis" and status["directory"]["up"] is True
 
 
+async def test_each_holder_publishes_the_levels_it_holds_and_a_lookup_carries_them(inprocess, server):
+    a, b, c = await inprocess(["a", "b", "c"], peered=False, per_node={"c": {"store": {"keep_fetched": False}}},
+                              **directory(server))
+    tokens, kv = list(range(3000, 3512)), synthetic_kv(512, seed=7).half()
+    async with client(a) as ca, client(b) as cb:
+        keys = [bytes.fromhex(k) for k in (await ca.put(MODEL, tokens, kv))["keys"]]
+        f = await cb.fetch(MODEL, tokens, deadline_ms=30_000, levels=["balanced"])
+        async with f:
+            assert [ev.level async for ev in f] == ["balanced"] * 2
+
+        async def b_published():
+            return all(b.store.has(k) for k in keys) and len((await c.directory.lookup(keys)).of(1)) == 2
+        await until("b's kept chunks never reached Redis", b_published)
+        r = redis.Redis(port=server.port)
+        try:
+            assert r.hgetall(f"{PREFIX}levels:{keys[0].hex()}") == {b"a": b"balanced,fast,high", b"b": b"balanced"}
+        finally:
+            r.close()
+        held = await c.directory.lookup(keys)
+        assert held.levels_of("a", 0) == {"high", "balanced", "fast"} and held.levels_of("b", 1) == {"balanced"}
+        assert held.want(["fast"]).holders(0) == ["a"]  # b would answer NOT_FOUND: not its holder for this fetch
+        await b.stop()  # b's lease ends: it leaves both the holders and their levels
+        r = redis.Redis(port=server.port)
+        try:
+            await c.directory.lookup(keys)
+            assert r.hgetall(f"{PREFIX}levels:{keys[0].hex()}") == {b"a": b"balanced,fast,high"}
+        finally:
+            r.close()
+
+
 async def test_redis_going_away_fails_no_fetch_the_local_store_or_a_known_peer_can_serve(inprocess, server):
     a, b = await inprocess(["a", "b"], peered=False, **directory(server))
     tokens_a, tokens_b = list(range(3000, 3512)), list(range(4000, 4512))

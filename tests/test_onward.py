@@ -71,3 +71,42 @@ async def test_a_fetch_takes_chunks_from_holders_in_its_own_zone_and_from_others
         assert f.peers.zone_of("core") == "core" and f.peers.zone_of("edge-b") == "edge"
         got, _ = await fetch(cf, tokens)
         assert [ev.source for ev in got] == ["edge-b", "edge-b", "core"]
+
+
+async def test_holders_advertise_their_levels_and_a_fetch_takes_chunks_from_one_holding_the_level_it_needs(inprocess):
+    """b keeps a's chunks at `fast` only; c's fetch, with a deadline loose enough for `high`,
+    takes every chunk from a, which holds it, though b holds the chunks too."""
+    a, b, c = await inprocess(["a", "b", "c"], per_node={"c": {"store": {"keep_fetched": False}}})
+    tokens, kv = list(range(7000, 7700)), synthetic_kv(700, seed=17).half()
+    keys = chunk_keys(MODEL, tokens, 256)
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        await ca.put(MODEL, tokens, kv)
+        await until("b never learnt a's keys", lambda: b.directory.counts().get("a", 0) == 3)
+        await fetch(cb, tokens, levels=["fast"])
+        held = lambda: c.directory.lookup_now(keys)  # noqa: E731
+        await until("c never learnt b's keys", lambda: c.directory.counts().get("b", 0) == 3)
+        assert [held().levels_of("b", i) for i in range(3)] == [frozenset({"fast"})] * 3
+        assert held().levels_of("a", 0) == frozenset({"high", "balanced", "fast"})
+
+        got, _ = await fetch(cc, tokens)
+        assert [(ev.kind, ev.source, ev.level) for ev in got] == [("kv", "a", "high")] * 3
+        got, _ = await fetch(cc, tokens, levels=["fast"])  # both hold what it needs: both send
+        assert {ev.level for ev in got} == {"fast"} and {ev.source for ev in got} == {"a", "b"}
+
+
+async def test_a_peer_holding_chunks_only_at_levels_the_fetch_does_not_take_is_not_asked(inprocess):
+    a, b, c = await inprocess(["a", "b", "c"], per_node={"c": {"store": {"keep_fetched": False}}})
+    tokens, kv = list(range(6000, 6512)), synthetic_kv(512, seed=19).half()
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        await ca.put(MODEL, tokens, kv)
+        await until("b never learnt a's keys", lambda: b.directory.counts().get("a", 0) == 2)
+        await fetch(cb, tokens, levels=["fast"])
+        await until("c never learnt b's keys", lambda: c.directory.counts().get("b", 0) == 2)
+        await a.stop()
+        await until("c still sees a", lambda: "a" not in c.directory.counts())
+
+        f = await cc.fetch(MODEL, tokens, deadline_ms=30_000, levels=["high"])
+        async with f:
+            assert f.found_tokens == 0 and [ev async for ev in f] == []  # not asked, no NOT_FOUND
+        assert 'direction="sent"' not in await cb.metrics()
+        assert (await cc.lookup(MODEL, tokens))["peers"] == {"b": 512}  # (held, at another level)

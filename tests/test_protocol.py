@@ -301,7 +301,8 @@ def test_decoder_yields_frames_with_their_wire_size_across_splits():
 
 def test_every_message_round_trips_through_the_wire():
     msgs = [Hello(PROTO, "n", {"a": [1, 2.5, None, b"x"]}, b"\x01" * 32), Auth(b"p" * 32),
-            Advertise([K]), Withdraw([K]), Fetch(3, KEYS, 500, ["high", "fast"], 250.0),
+            Advertise([K]), Advertise([K], ["balanced", "high"]), Withdraw([K]),
+            Fetch(3, KEYS, 500, ["high", "fast"], 250.0),
             Fetch(4, KEYS, 500, [], None), Fetch(5, KEYS, 500, ["high"], None, None, 16384),
             Chunk.of(3, 1, "fast", b"abc"), Chunk.of(3, 1, "fast", b"abc", K),
             Text(3, 2, [1, 2]),
@@ -323,6 +324,8 @@ def test_every_message_round_trips_through_the_wire():
     ({"t": "CHUNK", "req": 1, "i": True, "level": "h", "payload": b"", "crc": 0}, "CHUNK.i"),
     ({"t": "END", "req": 1, "status": "ok", "deadline_missed": 0}, "END.deadline_missed"),
     ({"t": "PING", "t2": 1}, "missing field 'time'"),
+    ({"t": "ADVERTISE", "keys": [K], "levels": []}, "ADVERTISE.levels"),
+    ({"t": "ADVERTISE", "keys": [K], "levels": ["high", 3]}, "ADVERTISE.levels: item 1"),
     ({"t": 5}, "'t'"),
 ])
 def test_bad_fields_raise_bad_message_naming_the_field(wire, where):
@@ -353,6 +356,12 @@ def test_an_advertise_with_a_short_key_closes_the_connection_with_bad_message():
     c, s = ready_pair()
     s.receive_data(frame(**to_wire(Advertise([K, b"k"]))), NOW)
     assert "ADVERTISE.keys: item 1" in closed_with(s, BAD_MESSAGE).msg
+
+
+def test_an_advertise_without_levels_is_read_as_before_and_counts_as_any_level():
+    wire = to_wire(Advertise([K]))
+    assert "levels" not in wire  # what a sender before the field sends
+    assert from_wire(wire).levels is None
 
 
 def test_a_chunk_without_a_key_is_read_as_before():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from kvstreamd.shares import Shares
+from kvstreamd.shares import Shares, level_tier, needed_level
+
+LADDER = ["high", "balanced", "fast"]
 
 
 def everyone(*peers):
@@ -104,3 +106,33 @@ def test_every_chunk_arrives_once_while_one_live_holder_remains(n, steps):
         for p in peers:
             step(p)
     assert sorted(used) == list(range(n)) and s.done() and not s.waiting()
+
+
+def test_the_level_a_deadline_needs_is_the_best_whose_nominal_bytes_cross_in_time():
+    mb = 1e6
+    # 100 MB of fp16 KV: at 5.42x high is 18.5 MB, balanced 15.0 MB, fast 10.3 MB
+    assert needed_level(LADDER, 100 * mb, 12.5 * mb, 2.0) == "high"  # 100 Mbit/s, 2 s: 20 MB of room
+    assert needed_level(LADDER, 100 * mb, 12.5 * mb, 1.2) == "fast"  # 12 MB of room
+    assert needed_level(LADDER, 100 * mb, 1.0 * mb, 1.0) == "fast"  # nothing fits: the cheapest
+    assert needed_level(LADDER, 100 * mb, None, 1.0) == "high"  # no link measured: the best
+
+
+def test_a_holder_is_tiered_by_the_levels_it_holds_against_the_one_needed():
+    assert level_tier(frozenset(LADDER), "balanced", LADDER) == 0
+    assert level_tier(None, "balanced", LADDER) == 0  # not said: may hold it
+    assert level_tier(frozenset({"fast"}), "balanced", LADDER) == 1  # on time, lower quality
+    assert level_tier(frozenset({"high"}), "balanced", LADDER) == 2  # more bytes than the deadline allows
+
+
+def test_holders_with_the_needed_level_send_it_before_faster_holders_without_it():
+    tiers = {"full": 0, "fast-only": 2}
+    s = Shares(range(4), everyone("full", "fast-only"), {"full": 1.0, "fast-only": 10.0}.get,
+               tier=lambda p, i: tiers[p])
+    assert s.sources == ["full", "fast-only"]
+    assert s.take("full") == [0, 1, 2, 3] and s.take("fast-only") == []
+
+
+def test_a_chunk_only_a_lesser_holder_has_still_goes_to_it():
+    held = {0: ["full", "lesser"], 1: ["lesser"]}
+    s = Shares(range(2), held.__getitem__, lambda p: 1.0, tier=lambda p, i: 0 if p == "full" else 1)
+    assert s.take("full") == [0] and s.take("lesser") == [1]

@@ -71,6 +71,9 @@ class Advertise(Message):
 
     TYPE: ClassVar[str] = "ADVERTISE"
     keys: list[bytes]  # chunk keys, each KEY_BYTES long
+    # the levels the sender holds every one of these keys at (a sender groups its keys by the
+    # levels held); None: not said (senders before it had it), which counts as any level
+    levels: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -315,7 +318,7 @@ def _caps(v: Any) -> dict:
 _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Hello: {"proto": _uint, "node_id": check_node_id, "caps": _caps, "nonce": _nonce},
     Auth: {"proof": _bytes},
-    Advertise: {"keys": lambda v: _list(v, _key)},
+    Advertise: {"keys": lambda v: _list(v, _key), "levels": lambda v: None if v is None else _list(v, _str, 1)},
     Withdraw: {"keys": lambda v: _list(v, _key)},
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
             "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
@@ -329,7 +332,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Ping: {"time": _float, "pad": _optional_bytes},
     Pong: {"time": _float},
 }
-_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Chunk, "key"), (Error, "req"),
+_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Chunk, "key"), (Error, "req"), (Advertise, "levels"),
              (Ping, "pad")}  # may be absent on the wire (= nil)
 
 
