@@ -462,6 +462,10 @@ class AsyncClient:
     async def peers(self) -> list[dict]:
         return (await self._call("GET", "/v1/peers"))["peers"]
 
+    async def ab(self) -> dict:
+        """GET /v1/ab: the policy experiment in force and the latest fetch outcomes."""
+        return await self._call("GET", "/v1/ab")
+
     async def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return await self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
 

@@ -13,10 +13,10 @@ from pathlib import Path
 log = logging.getLogger("kvstreamd.fetch_outcomes")
 
 FILE_NAME = "ab-fetches.jsonl"
-MAX_RECORDS = 20_000  # in memory, and what a restart reads back
-# ~200 bytes a record: the file holds about MAX_RECORDS before it becomes FILE_NAME.1 (the one
-# before that is dropped), so the two together always hold at least the latest MAX_RECORDS.
-MAX_FILE_BYTES = 4 * 2**20
+# In memory, and what a restart reads back. The file takes MAX_RECORDS lines (~200 bytes each)
+# before it becomes FILE_NAME.1 (the one before that is dropped), so the two together hold at
+# least the latest MAX_RECORDS and at most twice that (~8 MB).
+MAX_RECORDS = 20_000
 
 
 @dataclass(frozen=True)
@@ -79,20 +79,22 @@ def read_file(path: Path) -> list[Outcome]:
 class FetchOutcomes:
     """The latest outcomes, in memory and appended to `path` (None: memory only)."""
 
-    def __init__(self, path: Path | None, max_records: int = MAX_RECORDS,
-                 max_file_bytes: int = MAX_FILE_BYTES) -> None:
+    def __init__(self, path: Path | None, max_records: int = MAX_RECORDS) -> None:
         self.path = path
-        self.max_file_bytes = max_file_bytes
         self.records: deque[Outcome] = deque(maxlen=max_records)
+        self._lines = 0  # records in the file at `path`
         self._write_failed = False
         if path is not None:
             for p in (path.with_name(path.name + ".1"), path):
                 try:
-                    self.records.extend(read_file(p))
+                    got = read_file(p)
                 except FileNotFoundError:
-                    pass
+                    continue
                 except OSError as e:
                     log.warning("%s: cannot read (%s); its outcomes are not in the A/B report", p, e)
+                    continue
+                self.records.extend(got)
+                self._lines = len(got)
 
     def add(self, outcome: Outcome) -> None:
         self.records.append(outcome)
@@ -100,10 +102,12 @@ class FetchOutcomes:
             return
         line = json.dumps(asdict(outcome), separators=(",", ":")) + "\n"
         try:
-            if self.path.exists() and self.path.stat().st_size + len(line) > self.max_file_bytes:
+            if self._lines >= self.records.maxlen:
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                self._lines = 0
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line)
+            self._lines += 1
             self._write_failed = False
         except OSError as e:  # the fetch is served all the same; the record stays in memory
             if not self._write_failed:

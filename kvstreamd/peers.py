@@ -343,8 +343,8 @@ class PeerManager:
         est = estimator.estimate()
         if est and busy > 0:
             self.metrics.link_utilisation.labels(peer).set(min(sent / busy / est, 1.0))
-        log.info("served %d chunks to %s in %.3f s: levels %s", len(recs), peer, loop.time() - t0,
-                 ",".join(c.level for c in sender.choices))
+        log.info("served %d chunks to %s in %.3f s (rule %s): levels %s", len(recs), peer, loop.time() - t0,
+                 fetch.rule or DEFAULT_RULE, ",".join(c.level for c in sender.choices))
 
     async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
         """Send the chunks, each at the level the FETCH's rule (default: the adaptive rule)
