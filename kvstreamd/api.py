@@ -74,6 +74,7 @@ class Node(Protocol):
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]: ...
     def release_buffer(self, name: str) -> bool: ...
     def record_error(self, kind: str) -> None: ...
+    def ab(self) -> dict: ...
 
 
 NODE = web.AppKey("node", Node)
@@ -253,6 +254,10 @@ async def peers(request: web.Request) -> web.Response:
     return web.json_response({"peers": request.app[NODE].peer_info()})
 
 
+async def ab(request: web.Request) -> web.Response:
+    return web.json_response(request.app[NODE].ab())
+
+
 async def lookup(request: web.Request) -> web.Response:
     body = await _body(request)
     return web.json_response(await request.app[NODE].lookup(_model_id(body), _tokens(body)))
@@ -306,6 +311,7 @@ def make_app(node: Node) -> web.Application:
     app.router.add_get("/v1/contexts", contexts)
     app.router.add_delete("/v1/contexts/{key}", delete_context)
     app.router.add_get("/v1/peers", peers)
+    app.router.add_get("/v1/ab", ab)
     app.router.add_post("/v1/lookup", lookup)
     app.router.add_post("/v1/contexts", put)
     app.router.add_post("/v1/fetch", fetch)

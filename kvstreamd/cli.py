@@ -216,6 +216,26 @@ def _peers(args: argparse.Namespace) -> int:
     return 0
 
 
+@_guard
+def _ab_report(args: argparse.Namespace) -> int:
+    from . import ab_report, fetch_outcomes
+
+    if args.source:
+        try:
+            outcomes = fetch_outcomes.read_file(Path(args.source))
+        except OSError as e:
+            print(f"kvstreamd ab report: --from {args.source}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    else:
+        outcomes = [fetch_outcomes.Outcome.from_json(o) for o in _client(args).ab()["outcomes"]]
+    report = ab_report.compare(outcomes, args.experiment, seed=args.seed)
+    if args.json:
+        _print(report)
+    else:
+        print(ab_report.text(report))
+    return 0
+
+
 def _text_tokens(args: argparse.Namespace):
     from . import models
     lm = models.load(args.model)
@@ -291,6 +311,16 @@ def parser() -> argparse.ArgumentParser:
     talker("status", "a running daemon's status", _status)
     talker("contexts", "contexts a running daemon holds", _contexts).add_argument("--json", action="store_true")
     talker("peers", "a running daemon's peers", _peers)
+    ab = sub.add_parser("ab", help="A/B experiments on the level policy ([policy] experiment)")
+    absub = ab.add_subparsers(dest="ab", required=True)
+    abr = absub.add_parser("report", help="compare the arms: fetch time, deadline misses, levels, bytes")
+    abr.add_argument("--socket", help="the daemon's API socket (default: $KVSTREAMD_SOCKET or the default path)")
+    abr.add_argument("--from", dest="source", metavar="FILE",
+                     help="a recorded outcome log (the store dir's ab-fetches.jsonl) instead of a running daemon")
+    abr.add_argument("--experiment", help="the experiment to compare, as the report names it (default: the latest)")
+    abr.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default 0: reproducible)")
+    abr.add_argument("--json", action="store_true")
+    abr.set_defaults(func=_ab_report)
     for name, func, helptext in (("put", _put, "prefill a text file with the model and store its KV"),
                                  ("fetch", _fetch, "fetch a text file's KV from the cluster"),
                                  ("generate", _generate, "answer a text file with the model, reusing the "

@@ -253,6 +253,10 @@ class Client:
     def peers(self) -> list[dict]:
         return self._call("GET", "/v1/peers")["peers"]
 
+    def ab(self) -> dict:
+        """GET /v1/ab: the policy experiment in force and the latest fetch outcomes."""
+        return self._call("GET", "/v1/ab")
+
     def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
 
@@ -457,6 +461,10 @@ class AsyncClient:
 
     async def peers(self) -> list[dict]:
         return (await self._call("GET", "/v1/peers"))["peers"]
+
+    async def ab(self) -> dict:
+        """GET /v1/ab: the policy experiment in force and the latest fetch outcomes."""
+        return await self._call("GET", "/v1/ab")
 
     async def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return await self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})

@@ -33,6 +33,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .experiment import Experiment
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PATH = Path("/etc/kvstreamd/config.toml")
@@ -439,6 +441,29 @@ class FetchConfig:
     stall_s: float = _key(2.0, parse=_float(gt=0), reload=True)
 
 
+def _experiment(value, where, ctx) -> Experiment:
+    """[policy] experiment = {fraction, rule, levels}: see config.toml."""
+    if not isinstance(value, dict):
+        raise _wrong_type(value, where, "a table {fraction = 0.01, rule = \"cachegen\", levels = [...]}")
+    from transport.policy import RULES  # lazily, as codec: numpy
+
+    known = {"fraction": None, "rule": None, "levels": None}
+    for key in value:
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown key ({_did_you_mean(key, known)})")
+    fraction = value.get("fraction", 0.0)
+    if not (_is_int(fraction) or isinstance(fraction, float)) or not 0 <= fraction <= 1:
+        raise ConfigError(f"{where}.fraction: {_show(fraction)} is not a share of fetches (a number 0..1)")
+    rule = _string(value.get("rule", ""), f"{where}.rule", ctx)
+    if rule and rule not in RULES:
+        raise ConfigError(f"{where}.rule: {_show(rule)} is not a rule (known: {', '.join(RULES)})")
+    levels = _levels(value["levels"], f"{where}.levels", ctx) if value.get("levels") else ()
+    if fraction > 0 and not rule and not levels:
+        raise ConfigError(f"{where}: fraction {_show(fraction)} but neither rule nor levels: the candidate "
+                          "arm would be the control arm (name a rule, a level ladder or both)")
+    return Experiment(float(fraction), rule, levels)
+
+
 def _redis_url(value, where, ctx) -> str:
     if not isinstance(value, str):
         raise _wrong_type(value, where, 'a string "redis://host:port/db"')
@@ -464,9 +489,15 @@ class DirectoryConfig:
     idle_s: float = _key(30.0, parse=_float(gt=0), reload=True)
 
 
+@dataclass(frozen=True)
+class PolicyConfig:
+    experiment: Experiment = _key(Experiment(), parse=_experiment, reload=True)
+
+
 _SECTIONS: dict[str, type] = {
     "node": NodeConfig, "api": ApiConfig, "peer": PeerConfig, "directory": DirectoryConfig,
     "store": StoreConfig, "codec": CodecConfig, "fetch": FetchConfig,
+    "policy": PolicyConfig,
 }
 
 
@@ -479,6 +510,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     source: Path | None = None  # the file it came from; None for built-in defaults
 
     def secret(self) -> bytes | None:

@@ -33,9 +33,10 @@ class Metrics:
         # The seed's four.
         self.fetch_seconds = Histogram(
             "kvstreamd_fetch_seconds", "Time from a fetch request to its last chunk ready in the buffer "
-            "(what the model waits for before its first token)", registry=r, buckets=_LATENCY)
+            "(what the model waits for before its first token)", ["arm"], registry=r, buckets=_LATENCY)
         self.decode_share = Histogram(
-            "kvstreamd_fetch_decode_share", "Decode time as a share of a fetch's total time", registry=r, buckets=_SHARE)
+            "kvstreamd_fetch_decode_share", "Decode time as a share of a fetch's total time", ["arm"], registry=r,
+            buckets=_SHARE)
         self.compression_ratio = Gauge(
             "kvstreamd_compression_ratio", "fp16 KV bytes over stored bytes, per level, over all chunks stored "
             "since start", ["level"], registry=r)
@@ -44,12 +45,12 @@ class Metrics:
             "this node used", ["peer"], registry=r)
         # What an operator needs besides.
         self.stage_seconds = Histogram(
-            "kvstreamd_fetch_stage_seconds", "Busy time of each pipeline stage per fetch", ["stage"], registry=r,
+            "kvstreamd_fetch_stage_seconds", "Busy time of each pipeline stage per fetch", ["stage", "arm"], registry=r,
             buckets=_LATENCY)
         self.lookups = Counter("kvstreamd_lookups", "Fetch lookups by outcome (hit: the whole prompt but its "
-                               "last partial chunk; partial; miss)", ["result"], registry=r)
+                               "last partial chunk; partial; miss)", ["result", "arm"], registry=r)
         self.prompt_tokens = Counter("kvstreamd_prompt_tokens", "Tokens of prompts looked up, by where they came from "
-                                     "(local, peer, text, prefill)", ["source"], registry=r)
+                                     "(local, peer, text, prefill)", ["source", "arm"], registry=r)
         self.peer_bytes = Counter("kvstreamd_peer_bytes", "Chunk payload bytes per peer and direction", ["peer", "direction"],
                                   registry=r)
         self.chunks = Counter("kvstreamd_chunks", "Chunks moved, by level and direction (sent, received, local)",
@@ -74,6 +75,14 @@ class Metrics:
         self._codec_restarts = 0
         self.encode_seconds = Histogram("kvstreamd_put_encode_seconds", "Encode time per put", registry=r,
                                         buckets=_LATENCY)
+        # Per fetch, by A/B arm (kvstreamd.experiment; "control" when no experiment runs): every
+        # fetch metric above carries `arm` too.
+        self.fetch_deadline_missed = Counter("kvstreamd_fetch_deadline_missed", "Fetches that ended after "
+                                             "their deadline", ["arm"], registry=r)
+        self.fetch_bytes = Counter("kvstreamd_fetch_bytes", "Wire bytes fetches received from peers", ["arm"],
+                                   registry=r)
+        self.fetch_chunks = Counter("kvstreamd_fetch_chunks", "Chunks of fetches by the level they landed at "
+                                    "(text: recomputed)", ["arm", "level"], registry=r)
         self._ratio_raw: dict[str, float] = {}
         self._ratio_coded: dict[str, float] = {}
 
@@ -81,6 +90,13 @@ class Metrics:
         self._ratio_raw[level] = self._ratio_raw.get(level, 0.0) + raw_fp16_bytes
         self._ratio_coded[level] = self._ratio_coded.get(level, 0.0) + coded_bytes
         self.compression_ratio.labels(level).set(self._ratio_raw[level] / max(self._ratio_coded[level], 1.0))
+
+    def fetched(self, arm: str, levels: list[str], nbytes: int, deadline_missed: bool) -> None:
+        """A fetch ended: its chunks' levels, bytes and deadline, by arm."""
+        for level in levels:
+            self.fetch_chunks.labels(arm, level).inc()
+        self.fetch_bytes.labels(arm).inc(nbytes)
+        self.fetch_deadline_missed.labels(arm).inc(int(bool(deadline_missed)))
 
     def set_degraded(self, reasons: set[str]) -> None:
         for reason in DEGRADED:

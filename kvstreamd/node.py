@@ -24,6 +24,8 @@ from .config import Config
 from .coder import Coder
 from .directory import Directory
 from .events import FetchRequest
+from .experiment import CANDIDATE, CONTROL, Experiment
+from .fetch_outcomes import FILE_NAME as OUTCOMES_FILE, FetchOutcomes, Outcome
 from .metrics import Metrics
 from .peers import PeerManager
 from .pipeline import FetchJob, plan
@@ -103,6 +105,8 @@ class Node:
         self._local_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches the local store serves whole
         self._active: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()  # fetched chunks being stored
+        # what each fetch came to, for `kvstreamd ab report` (GET /v1/ab); kept beside the store
+        self.outcomes = FetchOutcomes(cfg.store.dir / OUTCOMES_FILE if cfg.store.dir else None)
 
     @property
     def node_id(self) -> str:
@@ -264,18 +268,22 @@ class Node:
         deadline counts from here, so a fetch that waited for a slot has that much less for
         its peers."""
         arrived = time.monotonic()
+        exp = self.cfg.policy.experiment  # one for the whole fetch, whatever a reload does meanwhile
+        arm = exp.arm(req.model_id, req.tokens)
         p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens,
-                       self._levels(req))
+                       self._levels(req, exp, arm))
         async with self._local_slots if p.found == p.local else self._fetch_slots:
-            await self._fetch(req, prof, emit, arrived)
+            await self._fetch(req, prof, emit, arrived, exp, arm)
 
-    async def _fetch(self, req: FetchRequest, prof: Profile, emit, arrived: float | None = None) -> None:
+    async def _fetch(self, req: FetchRequest, prof: Profile, emit, arrived: float | None = None,
+                     exp: Experiment = Experiment(), arm: str = CONTROL) -> None:
         self.metrics.fetches_active.inc()
         t0 = time.monotonic()
         cfg = self.cfg
         tokens, dtype = req.tokens, req.dtype
         # planned again now that it has a slot: what is held may have changed while it waited
-        p = await plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens, self._levels(req))
+        p = await plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens,
+                       self._levels(req, exp, arm))
         shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
         parts = layout.fetch_parts(prof.layout, p.found_tokens, cfg.codec.chunk_tokens)
         flat = (layout.parts_numel(parts, p.found_tokens, prof.heads, prof.head_dim),)
@@ -298,8 +306,9 @@ class Node:
                 gpu_unavailable=self.gpu_why if req.device == "cuda" and not on_gpu else None,
                 parts=parts if p.found else None, **place))
             job = FetchJob(p, req.model_id, tokens, req.deadline_ms or cfg.fetch.deadline_ms, view, self.store,
-                           self.peers, self.coder, self.metrics, self._levels(req))
+                           self.peers, self.coder, self.metrics, self._levels(req, exp, arm))
             job.recompute_tps = req.recompute_tokens_per_s or cfg.fetch.recompute_tokens_per_s
+            job.rule = (exp.rule or None) if arm == CANDIDATE else None
             job.stall_s, job.started_at = cfg.fetch.stall_s, arrived
             if isinstance(buf, HostBuffer):  # the codec workers decode straight into it
                 job.segment = (buf.name, whole)
@@ -313,7 +322,10 @@ class Node:
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
             text_tokens = sum(e - s for s, e in text_ranges)
             kv_tokens = p.found_tokens - text_tokens
-            self._account(p, tokens, kv_tokens, text_tokens, total, res)
+            self._account(p, tokens, kv_tokens, text_tokens, total, res, arm)
+            if p.found:
+                self.outcomes.add(Outcome.of(time.time(), arm, exp.label, total, res.deadline_missed, res.levels,
+                                             res.bytes, p.found_tokens))
             await emit(events.End(
                 found_tokens=p.found_tokens, kv_tokens=kv_tokens, text_tokens=text_tokens, text_ranges=text_ranges,
                 prefill_from=p.found_tokens, prefill_tokens=len(tokens) - p.found_tokens, levels=res.levels,
@@ -355,8 +367,11 @@ class Node:
             self.metrics.puts.labels("fetched").inc(kept)
             log.info("kept %d fetched chunks of %s to serve onward", kept, model_id)
 
-    def _levels(self, req: FetchRequest) -> list[str]:
-        """The levels a fetch takes chunks at (TEXT aside): those it asked for, else the node's."""
+    def _levels(self, req: FetchRequest, exp: Experiment, arm: str) -> list[str]:
+        """The levels a fetch takes chunks at (TEXT aside): those it asked for, else the
+        candidate's ladder in an experiment's candidate arm, else the node's."""
+        if not req.levels and arm == CANDIDATE and exp.levels:
+            return list(exp.levels)
         return list(req.levels or self.cfg.codec.levels)
 
     async def _allocate(self, shape, dtype: str, on_gpu: bool) -> FetchBuffer:
@@ -365,19 +380,21 @@ class Node:
             return await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index)
         return HostBuffer.create(shape, dtype)
 
-    def _account(self, p, tokens, kv_tokens, text_tokens, total, res) -> None:
+    def _account(self, p, tokens, kv_tokens, text_tokens, total, res, arm: str) -> None:
         m = self.metrics
-        m.fetch_seconds.observe(total)
+        m.fetch_seconds.labels(arm).observe(total)
         if total > 0:
-            m.decode_share.observe(min(res.stage_s["decode"] / total, 1.0))
+            m.decode_share.labels(arm).observe(min(res.stage_s["decode"] / total, 1.0))
         for stage, s in res.stage_s.items():
-            m.stage_seconds.labels(stage).observe(s)
+            m.stage_seconds.labels(stage, arm).observe(s)
         local_tokens = p.bounds[p.local - 1][1] if p.local else 0
-        m.prompt_tokens.labels("local").inc(local_tokens)
-        m.prompt_tokens.labels("peer").inc(max(kv_tokens - local_tokens, 0))
-        m.prompt_tokens.labels("text").inc(text_tokens)
-        m.prompt_tokens.labels("prefill").inc(len(tokens) - p.found_tokens)
-        m.lookups.labels("hit" if p.found >= len(p.keys) - 1 and p.found else "partial" if p.found else "miss").inc()
+        m.prompt_tokens.labels("local", arm).inc(local_tokens)
+        m.prompt_tokens.labels("peer", arm).inc(max(kv_tokens - local_tokens, 0))
+        m.prompt_tokens.labels("text", arm).inc(text_tokens)
+        m.prompt_tokens.labels("prefill", arm).inc(len(tokens) - p.found_tokens)
+        m.lookups.labels("hit" if p.found >= len(p.keys) - 1 and p.found else "partial" if p.found else "miss",
+                         arm).inc()
+        m.fetched(arm, res.levels, res.bytes, res.deadline_missed)
 
     def _stages_for(self, prof: Profile):
         """The GPU pipeline's streams and decoder tables for a profile, built once."""
@@ -468,6 +485,11 @@ class Node:
         if faults:
             return {"status": "degraded", "node_id": self.node_id, "degraded": faults}
         return {"status": "ok", "node_id": self.node_id}
+
+    def ab(self) -> dict:
+        """GET /v1/ab: the experiment in force and the latest fetch outcomes, oldest first."""
+        return {"node_id": self.node_id, "experiment": self.cfg.policy.experiment.describe(),
+                "outcomes": self.outcomes.as_json()}
 
     def record_error(self, kind: str) -> None:
         self.metrics.error(kind)

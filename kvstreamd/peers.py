@@ -14,12 +14,12 @@ from typing import Callable
 
 from transport import aio
 from transport.bandwidth import PeerBandwidth
-from transport.messages import NOT_FOUND, Advertise, Fetch, Withdraw
+from transport.messages import BAD_MESSAGE, NOT_FOUND, Advertise, Fetch, Withdraw
 from codec import catalog, select_layers
 from codec.errors import CodecError
 from codec.layout import Layout
 from codec.profile import Profile
-from transport.policy import TEXT, adaptive_rule, fixed_rule
+from transport.policy import DEFAULT_RULE, RULES, TEXT, fixed_rule
 from transport.send import send_chunks
 
 from . import offer
@@ -353,11 +353,18 @@ class PeerManager:
         est = estimator.estimate()
         if est and busy > 0:
             self.metrics.link_utilisation.labels(peer).set(min(sent / busy / est, 1.0))
-        log.info("served %d chunks to %s in %.3f s: levels %s", len(recs), peer, loop.time() - t0,
-                 ",".join(c.level for c in sender.choices))
+        log.info("served %d chunks to %s in %.3f s (rule %s): levels %s", len(recs), peer, loop.time() - t0,
+                 fetch.rule or DEFAULT_RULE, ",".join(c.level for c in sender.choices))
 
     async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
-        """Send the chunks, each at the level the adaptive rule picks; None if some are not held."""
+        """Send the chunks, each at the level the FETCH's rule (default: the adaptive rule)
+        picks; None if some are not held or the rule is unknown."""
+        rule = RULES.get(fetch.rule or DEFAULT_RULE)
+        if rule is None:
+            self.metrics.error("fetch_unknown_rule")
+            await served.fail(BAD_MESSAGE, f"FETCH.rule: {fetch.rule[:64]!r} is not a level rule this node "
+                                           f"knows (known: {', '.join(RULES)})")
+            return None
         # Chunks from the first one not held (evicted, or damaged on disk or in its header) are
         # not sent: the held ones before it are, then NOT_FOUND names it, and the fetcher looks
         # for it elsewhere.
@@ -395,7 +402,6 @@ class PeerManager:
         work = {lv: catalog.decode_seconds(lv, fp16_mb, decode_mbps) for lv in coded}
         work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
         estimator = self.bandwidth.get(peer)
-        rule = adaptive_rule
         if len(asked) == 1 and asked == coded:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
             rule = fixed_rule(coded[0])

@@ -164,6 +164,7 @@ class FetchJob:
         self.levels = levels
         self.result = FetchResult()
         self.recompute_tps: float | None = None  # the model process's prefill rate, when it said
+        self.rule: str | None = None  # the level rule its senders are asked for (an A/B arm); None: theirs
         self.stall_s = STALL_S  # a peer silent this long while waited for has stalled ([fetch] stall_s)
         self.started_at: float | None = None  # time.monotonic() the request arrived; default: run()
         # codec.gpu.CudaStages when the buffer is on a GPU: chunks of the entropy-coded levels
@@ -349,7 +350,8 @@ class FetchJob:
         prof = self.coder.profile_for(self.model_id)
         stream = conn.fetch([p.keys[j] for j in share], max(self._remaining_ms(), 1), self.levels + [TEXT],
                             decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps,
-                            stall_s=self.stall_s, limit_s=left, prefix_tokens=self._prefix_tokens)
+                            stall_s=self.stall_s, limit_s=left, prefix_tokens=self._prefix_tokens,
+                            rule=self.rule)
         nbytes, sent = 0, 0  # positions of `share` received
         at = lambda: share[min(sent, len(share) - 1)]  # noqa: E731  the chunk it was to send next
         try:

@@ -478,8 +478,8 @@ async def test_metrics_answer_prometheus_text_that_counts_fetches(inprocess):
     status, ctype, data = await request(a, "GET", "/metrics")
     assert (status, ctype) == (200, "text/plain")
     text = data.decode()
-    assert "kvstreamd_fetch_seconds_count 1.0" in text
-    assert 'kvstreamd_prompt_tokens_total{source="local"} 300.0' in text
+    assert 'kvstreamd_fetch_seconds_count{arm="control"} 1.0' in text
+    assert 'kvstreamd_prompt_tokens_total{arm="control",source="local"} 300.0' in text
 
 
 async def test_a_client_error_carries_the_daemons_code_and_http_status(inprocess):

@@ -99,6 +99,10 @@ class Fetch(Message):
     # layers that read some of them are sent (a sliding layer whose window starts after the
     # chunk is left out). None: every layer of every chunk
     prefix_tokens: int | None = None
+    # the per-chunk level rule the sender is to use (transport.policy.RULES, e.g. "cachegen"),
+    # for an A/B experiment on the policy; a sender that does not know it ends the request with
+    # ERROR bad_message. None: the sender's own (kvstreamd: "adaptive")
+    rule: str | None = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +247,10 @@ def _str(v: Any) -> str:
     return v
 
 
+def _optional_str(v: Any) -> str | None:
+    return None if v is None else _str(v)
+
+
 def _bytes(v: Any) -> bytes:
     if type(v) is not bytes:
         raise ValueError(f"expected binary (msgpack bin), got {type(v).__name__}")
@@ -322,7 +330,8 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Withdraw: {"keys": lambda v: _list(v, _key)},
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
             "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
-            "recompute_tps": _optional_positive_float, "prefix_tokens": _optional_uint},
+            "recompute_tps": _optional_positive_float, "prefix_tokens": _optional_uint,
+            "rule": _optional_str},
     Chunk: {"req": _uint, "i": _uint, "level": _str, "payload": _bytes, "crc": _uint32, "key": _optional_key},
     Text: {"req": _uint, "i": _uint, "tokens": lambda v: _list(v, _uint)},
     Ack: {"req": _uint, "i": _uint, "recv_bytes": _uint},
@@ -332,7 +341,8 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Ping: {"time": _float, "pad": _optional_bytes},
     Pong: {"time": _float},
 }
-_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Chunk, "key"), (Error, "req"), (Advertise, "levels"),
+_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Fetch, "rule"), (Chunk, "key"),
+             (Error, "req"), (Advertise, "levels"),
              (Ping, "pad")}  # may be absent on the wire (= nil)
 
 

@@ -187,3 +187,9 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
     return Choice(levels[used[0]], float(done[best]),
                   f"{verdict} ({s.deadline_s:.2f} s left): {plan} in {done[best]:.2f} s at "
                   f"{_mbit(safe)}, mean Δppl {quality[best]:.2f}%")
+
+
+# The per-chunk rules a fetch may ask its sender for by name (FETCH `rule`); a sender refuses
+# any other name. "adaptive" is what a FETCH that names none gets.
+RULES: dict[str, Rule] = {"adaptive": adaptive_rule, "cachegen": cachegen_rule}
+DEFAULT_RULE = "adaptive"

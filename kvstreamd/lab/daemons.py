@@ -128,6 +128,8 @@ def _toml(v) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
