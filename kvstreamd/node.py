@@ -18,7 +18,7 @@ from codec.errors import CodecError
 from codec.parallel import WorkerLost
 from codec.profile import Profile
 
-from . import __version__, events
+from . import __version__, events, health
 from .buffers import FetchBuffer, HostBuffer
 from .config import Config
 from .coder import Coder
@@ -97,6 +97,7 @@ class Node:
         self.gpu_why = gpu_why
         self.stopping = False
         self.started = time.time()
+        self.recent_fetches = health.RecentFetches()  # what /v1/status judges the fetch thresholds over
         self.buffers: dict[str, _Held] = {}
         self._stages: dict[bytes, object] = {}  # codec.gpu stages per profile id
         self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches that need a peer
@@ -368,8 +369,10 @@ class Node:
     def _account(self, p, tokens, kv_tokens, text_tokens, total, res) -> None:
         m = self.metrics
         m.fetch_seconds.observe(total)
-        if total > 0:
-            m.decode_share.observe(min(res.stage_s["decode"] / total, 1.0))
+        decode_share = min(res.stage_s["decode"] / total, 1.0) if total > 0 else None
+        if decode_share is not None:
+            m.decode_share.observe(decode_share)
+        self.recent_fetches.add(total, decode_share)
         for stage, s in res.stage_s.items():
             m.stage_seconds.labels(stage).observe(s)
         local_tokens = p.bounds[p.local - 1][1] if p.local else 0
@@ -485,6 +488,7 @@ class Node:
         m.buffer_bytes.set(sum(h.buffer.nbytes for h in self.buffers.values()))
         m.set_degraded({f["reason"] for f in self.degraded()})
         m.set_codec_restarts(self.coder.pool.restarts)
+        m.set_peers_up({p["address"]: p["connected"] for p in self.peers.info() if p["configured"]})
         return m.render()
 
     def status(self) -> dict:
@@ -500,6 +504,8 @@ class Node:
                 "directory": self.directory.info(),
                 "health": {"status": "stopping" if self.stopping else "degraded" if faults else "ok",
                            "degraded": faults},
+                "thresholds": health.report(self.recent_fetches, self.metrics.compression_ratio,
+                                            self.metrics.link_utilisation),
                 "codec": {"workers": self.coder.pool.workers, "restarts": self.coder.pool.restarts,
                           "last_loss": self.coder.pool.last_loss},
                 "store": {k: getattr(u, k) for k in ("chunks", "memory_bytes", "memory_budget", "disk_bytes",
