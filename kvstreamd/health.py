@@ -51,7 +51,7 @@ class Threshold:
 
     def reads(self, value: float) -> str:
         if self.unit == "%":
-            return f"{value * 100:.0f}%" if value * 100 == round(value * 100) else f"{value * 100:.1f}%"
+            return f"{value * 100:.3g}%"
         if self.unit == ":1":
             return f"{value:.3g}:1"
         return f"{value:.3g} {self.unit}"
@@ -61,7 +61,7 @@ TIME_TO_FIRST_TOKEN = Threshold(
     "time_to_first_token", "s", f"p95 of the fetch time (request to last chunk ready) of the last "
     f"{RECENT_FETCHES} fetches", (
         Bound(">", 2.0, "KvstreamdSlowTimeToFirstToken",
-              "Fetches keep the model from its first token too long. Check kvstreamd_fetch_stage_seconds for "
+              "Fetches keep the model from its first token too long. Check kvstreamd_fetch_stage_seconds_sum by stage for "
               "the slow stage (transfer: peer links and kvstreamd_link_utilisation; decode: codec workers), "
               "kvstreamd_fetches_active for queueing, and kvstreamd_errors_total{kind=~\"peer_.*\"} for "
               "stalled peers."),))
