@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -202,3 +203,21 @@ async def test_every_metric_the_rules_and_the_dashboard_name_is_on_a_live_daemon
     exported = await live_samples(inprocess)
     missing = {f: sorted(n - exported) for f, n in named.items() if n - exported}
     assert missing == {}
+
+
+async def test_peer_up_is_1_for_a_reachable_configured_peer_and_0_for_one_that_refuses(inprocess):
+    (b,) = await inprocess(["b"], peered=False)
+    async with client(b) as cb:
+        alive = f"127.0.0.1:{(await cb.status())['peer_port']}"
+    with socket.socket() as closed:  # bound, never listening: connections to it are refused
+        closed.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{closed.getsockname()[1]}"
+        (a,) = await inprocess(["a"], peered=False, per_node={"a": {"peer": {"peers": [alive, dead]}}})
+        async with client(a) as ca:
+            for _ in range(400):
+                up = {s.labels["peer"]: s.value for fam in text_string_to_metric_families(await ca.metrics())
+                      if fam.name == "kvstreamd_peer_up" for s in fam.samples}
+                if up.get(alive) == 1:
+                    break
+                await asyncio.sleep(0.05)
+    assert up == {alive: 1.0, dead: 0.0}
