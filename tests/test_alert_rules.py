@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import socket
+import sys
 import subprocess
 from pathlib import Path
 
@@ -221,3 +222,18 @@ async def test_peer_up_is_1_for_a_reachable_configured_peer_and_0_for_one_that_r
                     break
                 await asyncio.sleep(0.05)
     assert up == {alive: 1.0, dead: 0.0}
+
+
+async def test_kvstreamd_status_prints_each_threshold_with_its_state_and_value(inprocess):
+    (a,) = await inprocess(["a"], peered=False)
+    tokens = list(range(1000, 1600))
+    async with client(a) as ca:
+        await ca.put(MODEL, tokens, synthetic_kv(600).half())
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvstreamd.cli", "status", "--socket", str(a.cfg.api.socket),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    ratio = json.loads(out)["thresholds"]["compression_ratio"]
+    assert ratio["status"] in ("ok", "warn") and set(ratio["value"]) == {"high", "balanced", "fast"}
+    assert ratio["status"] == ("warn" if min(ratio["value"].values()) < 3 else "ok")
