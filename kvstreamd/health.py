@@ -34,6 +34,7 @@ class Bound:
 
 @dataclass(frozen=True)
 class Threshold:
+    """One health threshold: its name in /v1/status, its unit, and the side(s) it warns past."""
     name: str
     unit: str
     """"s", "%" (the value is a fraction) or ":1" (a ratio)."""

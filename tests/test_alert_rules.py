@@ -85,6 +85,19 @@ def test_the_unit_tests_fail_when_a_threshold_moves(tmp_path, bound):
     assert r.returncode != 0 and bound.alert in r.stdout + r.stderr
 
 
+def test_promtool_parses_every_dashboard_query(tmp_path):
+    """Each panel's query (Grafana's variables set as Grafana would) parses as PromQL: promtool
+    checks it as a recording rule."""
+    exprs = [t["expr"].replace("$__rate_interval", "5m").replace("$instance", ".*")
+             for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    assert exprs
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:q{i}", "expr": e}
+                                                         for i, e in enumerate(exprs)]}]}
+    (tmp_path / "dashboard.rules.yml").write_text(yaml.safe_dump(rules))
+    r = promtool("check", "rules", "dashboard.rules.yml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 # -- one definition of each threshold --------------------------------------------------------
 
 @pytest.mark.parametrize("threshold", health.THRESHOLDS, ids=lambda t: t.name)
