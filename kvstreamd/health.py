@@ -99,10 +99,10 @@ class RecentFetches:
         self.seconds: collections.deque[float] = collections.deque(maxlen=RECENT_FETCHES)
         self.decode_shares: collections.deque[float] = collections.deque(maxlen=RECENT_FETCHES)
 
-    def add(self, seconds: float, decode_share: float | None) -> None:
+    def add(self, seconds: float, decode_seconds: float) -> None:
         self.seconds.append(seconds)
-        if decode_share is not None:
-            self.decode_shares.append(decode_share)
+        if seconds > 0:  # (as kvstreamd_fetch_decode_share: decode time overlaps other stages, so at most 1)
+            self.decode_shares.append(min(decode_seconds / seconds, 1.0))
 
 
 def judge(threshold: Threshold, values: dict[str, float] | float | None) -> dict:

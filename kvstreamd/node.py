@@ -311,6 +311,7 @@ class Node:
             if job.arrived and cfg.store.keep_fetched:  # off the fetch's path: its client has every chunk already
                 self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived))
             total = time.monotonic() - t0
+            self.recent_fetches.add(total, res.stage_s["decode"])
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
             text_tokens = sum(e - s for s, e in text_ranges)
             kv_tokens = p.found_tokens - text_tokens
@@ -369,10 +370,8 @@ class Node:
     def _account(self, p, tokens, kv_tokens, text_tokens, total, res) -> None:
         m = self.metrics
         m.fetch_seconds.observe(total)
-        decode_share = min(res.stage_s["decode"] / total, 1.0) if total > 0 else None
-        if decode_share is not None:
-            m.decode_share.observe(decode_share)
-        self.recent_fetches.add(total, decode_share)
+        if total > 0:
+            m.decode_share.observe(min(res.stage_s["decode"] / total, 1.0))
         for stage, s in res.stage_s.items():
             m.stage_seconds.labels(stage).observe(s)
         local_tokens = p.bounds[p.local - 1][1] if p.local else 0
