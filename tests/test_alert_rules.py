@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import synthetic_kv
 from kvstreamd import health
-from kvstreamd.client import AsyncClient
+from kvstreamd.client import AsyncClient, ClientError
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy/prometheus/kvstreamd.rules.yml"
@@ -151,7 +151,7 @@ async def live_samples(inprocess) -> set[str]:
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             end = await f.wait()
         assert end.kv_tokens == 600
-        with pytest.raises(Exception):
+        with pytest.raises(ClientError):
             await ca.delete_context("00" * 32)  # api_not_found: an error of a kind
         texts = [await ca.metrics(), await cb.metrics()]
     return {s.name for text in texts for fam in text_string_to_metric_families(text) for s in fam.samples}
