@@ -132,9 +132,13 @@ def _by_label(gauge: Gauge) -> dict[str, float]:
 
 
 def report(recent: RecentFetches, compression_ratio: Gauge, link_utilisation: Gauge) -> dict:
-    """Every threshold's state now, by name."""
+    """Every threshold's state now, by name; the fetch thresholds say how many fetches they
+    were judged over ("fetches": up to RECENT_FETCHES)."""
     ttft = float(np.percentile(recent.seconds, 95)) if recent.seconds else None
     decode = float(np.mean(recent.decode_shares)) if recent.decode_shares else None
-    return {t.name: judge(t, v) for t, v in (
+    out = {t.name: judge(t, v) for t, v in (
         (TIME_TO_FIRST_TOKEN, ttft), (DECODE_SHARE, decode),
         (COMPRESSION_RATIO, _by_label(compression_ratio)), (LINK_UTILISATION, _by_label(link_utilisation)))}
+    out[TIME_TO_FIRST_TOKEN.name]["fetches"] = len(recent.seconds)
+    out[DECODE_SHARE.name]["fetches"] = len(recent.decode_shares)
+    return out
