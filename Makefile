@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	command -v cc >/dev/null && command -v c++ >/dev/null || (apt-get update -q && apt-get install -y -q gcc g++ libc6-dev)
 	# redis-server: the Redis directory's tests start their own on a free port.
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+	# promtool (Debian's prometheus package) checks and unit-tests deploy/prometheus/kvstreamd.rules.yml. Without
+	# the recommended node exporter, and the prometheus server the package enables is disabled and stopped again.
+	command -v promtool >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus \
+		&& (systemctl disable --now prometheus 2>/dev/null; service prometheus stop 2>/dev/null; true))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: this version's CPU build is on the machine's disk; anything else downloads GBs.

@@ -3,9 +3,10 @@
     GET    /healthz                  liveness: {"status": "ok", "node_id"}; "degraded" (still
                                      serving) adds "degraded": [{"reason", "message"}] while a
                                      fault lasts (codec_workers, disk_full, disk_error)
-    GET    /metrics                  Prometheus text format
-    GET    /v1/status                node, uptime, health, codec workers, store usage, peers,
-                                     fetches in flight
+    GET    /metrics                  Prometheus text format (also over TCP: [api] metrics_listen)
+    GET    /v1/status                node, uptime, health, the health thresholds' states
+                                     (health.py), codec workers, store usage, peers, fetches
+                                     in flight
     GET    /v1/contexts              contexts held (one per stored chain)
     DELETE /v1/contexts/{key}        delete a context by its last chunk key (hex)
     GET    /v1/peers                 configured and connected peers

@@ -300,6 +300,11 @@ def _hostport(value, where, ctx) -> tuple[str, int]:
     return parse_hostport(value, where)
 
 
+def _listen_or_none(value, where, ctx) -> tuple[str, int] | None:
+    """"host:port", or "" for none."""
+    return None if value == "" else parse_hostport(value, where)
+
+
 def _peers(value, where, ctx) -> tuple[tuple[str, int], ...]:
     if not isinstance(value, list):
         raise _wrong_type(value, where, 'an array of "host:port" strings')
@@ -399,6 +404,7 @@ class ApiConfig:
     socket_mode: int = _key(0o660, parse=_mode)
     max_fetches: int = _key(16, parse=_int(1), reload=True)
     buffer_lease_s: float = _key(300.0, parse=_float(gt=0), reload=True)
+    metrics_listen: tuple[str, int] | None = _key(None, parse=_listen_or_none)  # GET /metrics over TCP
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from codec.segments import SEG_PREFIX as CODEC_SEG_PREFIX
 
-from . import __version__, sdnotify
+from . import __version__, metrics_listener, sdnotify
 from . import config as config_mod
 from .api import make_app
 from .coder import Coder
@@ -87,6 +87,8 @@ class Daemon:
         self.node: Node | None = None  # once the parts it works with are up
         self.stopping = False
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None  # [api] metrics_listen
+        self.metrics_address: tuple[str, int] | None = None  # where it listens (the port once bound)
         self._reaper: asyncio.Task | None = None
         self._stop = asyncio.Event()
 
@@ -131,6 +133,8 @@ class Daemon:
                                    cfg.node.zone)
         self.node = Node(cfg, self.store, self.directory, self.coder, self.peers, self.metrics, gpu, gpu_why)
         await self._start_api()
+        if cfg.api.metrics_listen is not None:
+            await self._start_metrics_listener(*cfg.api.metrics_listen)
         self._reaper = asyncio.ensure_future(self._reap_buffers())
         log.info("kvstreamd %s node %s: peers on %s:%d, API on %s", __version__, self.node_id, cfg.peer.listen[0],
                  self.peers.port, cfg.api.socket)
@@ -170,6 +174,14 @@ class Daemon:
             raise StartupError(f"[api] socket {path}: {e}") from None
         os.chmod(path, self.cfg.api.socket_mode)
 
+    async def _start_metrics_listener(self, host: str, port: int) -> None:
+        try:
+            self._metrics_runner = await metrics_listener.start(self.node, host, port)
+        except OSError as e:
+            raise StartupError(f"[api] metrics_listen {host}:{port}: {e.strerror or e}") from None
+        self.metrics_address = self._metrics_runner.addresses[0][:2]
+        log.info("metrics on http://%s:%d/metrics", host, self.metrics_address[1])
+
     async def stop(self) -> None:
         """Stop accepting, cancel transfers, flush the store index, release every buffer."""
         if self.stopping:
@@ -183,6 +195,8 @@ class Daemon:
         await self.directory.stop()
         if self.node is not None:
             await self.node.cancel_fetches()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
         if self._runner is not None:
             await self._runner.cleanup()
             with contextlib.suppress(FileNotFoundError):

@@ -61,6 +61,8 @@ class Metrics:
         self.store_chunks = Gauge("kvstreamd_store_chunks", "Chunks held (any tier)", registry=r)
         self.store_evictions = Gauge("kvstreamd_store_evictions", "Chunks evicted since start", registry=r)
         self.peers_connected = Gauge("kvstreamd_peers_connected", "Peers with a ready connection", registry=r)
+        self.peer_up = Gauge("kvstreamd_peer_up", "1 while a peer of [peer] peers (by address) has a ready "
+                             "connection, 0 while it is unreachable", ["peer"], registry=r)
         self.fetches_active = Gauge("kvstreamd_fetches_active", "Local fetches in progress", registry=r)
         self.buffers_held = Gauge("kvstreamd_buffers_held", "Shared-memory buffers not yet released", registry=r)
         self.buffer_bytes = Gauge("kvstreamd_buffer_bytes", "Bytes in shared-memory buffers not yet released", registry=r)
@@ -106,6 +108,12 @@ class Metrics:
         if n > self._codec_restarts:
             self.codec_restarts.inc(n - self._codec_restarts)
             self._codec_restarts = n
+
+    def set_peers_up(self, up: dict[str, bool]) -> None:
+        """One series per configured peer: a peer a reload took out of the config loses its own."""
+        self.peer_up.clear()
+        for address, connected in up.items():
+            self.peer_up.labels(address).set(1 if connected else 0)
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()

@@ -18,7 +18,7 @@ from codec.errors import CodecError
 from codec.parallel import WorkerLost
 from codec.profile import Profile
 
-from . import __version__, events
+from . import __version__, events, health
 from .buffers import FetchBuffer, HostBuffer
 from .config import Config
 from .coder import Coder
@@ -99,6 +99,7 @@ class Node:
         self.gpu_why = gpu_why
         self.stopping = False
         self.started = time.time()
+        self.recent_fetches = health.RecentFetches()  # what /v1/status judges the fetch thresholds over
         self.buffers: dict[str, _Held] = {}
         self._stages: dict[bytes, object] = {}  # codec.gpu stages per profile id
         self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches that need a peer
@@ -319,6 +320,7 @@ class Node:
             if job.arrived and cfg.store.keep_fetched:  # off the fetch's path: its client has every chunk already
                 self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived))
             total = time.monotonic() - t0
+            self.recent_fetches.add(total, res.stage_s["decode"])
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
             text_tokens = sum(e - s for s, e in text_ranges)
             kv_tokens = p.found_tokens - text_tokens
@@ -507,6 +509,7 @@ class Node:
         m.buffer_bytes.set(sum(h.buffer.nbytes for h in self.buffers.values()))
         m.set_degraded({f["reason"] for f in self.degraded()})
         m.set_codec_restarts(self.coder.pool.restarts)
+        m.set_peers_up({p["address"]: p["connected"] for p in self.peers.info() if p["configured"]})
         return m.render()
 
     def status(self) -> dict:
@@ -522,6 +525,8 @@ class Node:
                 "directory": self.directory.info(),
                 "health": {"status": "stopping" if self.stopping else "degraded" if faults else "ok",
                            "degraded": faults},
+                "thresholds": health.report(self.recent_fetches, self.metrics.compression_ratio,
+                                            self.metrics.link_utilisation),
                 "codec": {"workers": self.coder.pool.workers, "restarts": self.coder.pool.restarts,
                           "last_loss": self.coder.pool.last_loss},
                 "store": {k: getattr(u, k) for k in ("chunks", "memory_bytes", "memory_budget", "disk_bytes",
