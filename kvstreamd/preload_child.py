@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class PreloadChild:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE)
+                stderr=asyncio.subprocess.PIPE, env={**os.environ, "TQDM_DISABLE": "1"})  # no bars in the log
         except OSError as e:
             self._error(f"cannot run {self.argv[0]}: {e}")
             self.state = "failed"
