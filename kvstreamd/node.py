@@ -524,6 +524,8 @@ class Node:
         m.store_budget.labels("disk").set(u.disk_budget)
         m.store_chunks.set(u.chunks)
         m.store_evictions.set(u.evictions)
+        m.store_pinned.set(u.pinned_bytes)
+        m.store_budget.labels("pin").set(u.pin_budget)
         m.buffers_held.set(len(self.buffers))
         m.buffer_bytes.set(sum(h.buffer.nbytes for h in self.buffers.values()))
         m.set_degraded({f["reason"] for f in self.degraded()})

@@ -17,14 +17,21 @@ def keys(recs) -> list[bytes]:
     return [r.key for r in recs]
 
 
-def test_a_pinned_context_outlives_eviction_from_both_tiers(tmp_path):
+def pinned_store(dir, mem: int, disk: int, pin_budget: int, n_chunks: int):
+    """An open store (with a disk tier when dir is given) holding one pinned context of n_chunks
+    1 KiB chunks: (store, its Events, the context)."""
     ev = Events()
-    s = Store(tmp_path, 2 * KIB, 4 * KIB, on_add=ev.on_add, on_remove=ev.on_remove, pin_budget=3 * KIB)
+    s = Store(dir, mem, disk, on_add=ev.on_add, on_remove=ev.on_remove, pin_budget=pin_budget)
     s.open()
-    pinned = make_context(n_chunks=3, seed=1)
+    pinned = make_context(n_chunks=n_chunks, seed=1)
     for r in pinned:
         s.put(r)
-    assert s.pin_context(keys(pinned)) == 3 * KIB
+    assert s.pin_context(keys(pinned)) == n_chunks * KIB
+    return s, ev, pinned
+
+
+def test_a_pinned_context_outlives_eviction_from_both_tiers(tmp_path):
+    s, ev, pinned = pinned_store(tmp_path, 2 * KIB, 4 * KIB, 3 * KIB, 3)
     others = make_context(n_chunks=8, seed=2)
     for r in others:
         s.put(r)
@@ -34,13 +41,7 @@ def test_a_pinned_context_outlives_eviction_from_both_tiers(tmp_path):
 
 
 def test_a_pinned_context_stays_in_memory_without_a_disk_tier():
-    ev = Events()
-    s = Store(None, 3 * KIB, 0, on_add=ev.on_add, on_remove=ev.on_remove, pin_budget=2 * KIB)
-    s.open()
-    pinned = make_context(n_chunks=2, seed=1)
-    for r in pinned:
-        s.put(r)
-    s.pin_context(keys(pinned))
+    s, ev, pinned = pinned_store(None, 3 * KIB, 0, 2 * KIB, 2)
     others = make_context(n_chunks=4, seed=2)
     for r in others:
         s.put(r)
@@ -69,12 +70,18 @@ def test_a_context_not_held_whole_cannot_be_pinned(tmp_path):
         s.pin_context(keys(ctx))
 
 
-def test_shared_prefix_counts_once_against_the_budget(tmp_path):
-    s, _ = open_store(tmp_path)
-    s.set_pin_budget(4 * KIB)
+def stored_context(dir, pin_budget: int):
+    """An open store under dir holding one unpinned context of four 1 KiB chunks."""
+    s, _ = open_store(dir)
+    s.set_pin_budget(pin_budget)
     long = make_context(n_chunks=4, seed=3)
     for r in long:
         s.put(r)
+    return s, long
+
+
+def test_shared_prefix_counts_once_against_the_budget(tmp_path):
+    s, long = stored_context(tmp_path, 4 * KIB)
     assert s.pin_context(keys(long[:2])) == 2 * KIB
     assert s.pin_context(keys(long)) == 2 * KIB  # its first two chunks are pinned already
     assert s.pin_context(keys(long)) == 0  # pinned again: nothing changes
@@ -83,14 +90,8 @@ def test_shared_prefix_counts_once_against_the_budget(tmp_path):
     assert s.usage().pinned_bytes == 2 * KIB  # the shorter pin still holds the prefix
 
 
-def test_unpinned_context_is_evictable_again(tmp_path):
-    ev = Events()
-    s = Store(None, 2 * KIB, 0, on_add=ev.on_add, on_remove=ev.on_remove, pin_budget=2 * KIB)
-    s.open()
-    pinned = make_context(n_chunks=2, seed=1)
-    for r in pinned:
-        s.put(r)
-    s.pin_context(keys(pinned))
+def test_unpinned_context_is_evictable_again():
+    s, ev, pinned = pinned_store(None, 2 * KIB, 0, 2 * KIB, 2)
     assert s.unpin_context(pinned[-1].key) is True
     assert s.unpin_context(pinned[-1].key) is False
     for r in make_context(n_chunks=2, seed=2):
@@ -99,11 +100,7 @@ def test_unpinned_context_is_evictable_again(tmp_path):
 
 
 def test_deleting_a_pinned_context_ends_its_pin_but_not_another_pins_prefix(tmp_path):
-    s, _ = open_store(tmp_path)
-    s.set_pin_budget(10 * KIB)
-    long = make_context(n_chunks=4, seed=3)
-    for r in long:
-        s.put(r)
+    s, long = stored_context(tmp_path, 10 * KIB)
     s.pin_context(keys(long[:2]))
     s.pin_context(keys(long))
     assert s.delete_context(long[-1].key) == 2  # stops at the prefix another pin holds
@@ -122,15 +119,18 @@ async def test_put_with_a_pin_that_is_not_a_boolean_is_refused_naming_the_field(
     assert resp.status == 400 and body["error"]["message"] == "field 'pin' must be bool"
 
 
-async def test_put_with_pin_pins_the_context_and_status_shows_the_bytes(inprocess, small_profile):
+async def test_put_with_pin_pins_the_context_and_status_and_metrics_show_the_bytes(inprocess, small_profile):
     (d,) = await inprocess(["a"], store={"pin_budget": "1MiB"})
     tokens = list(range(1, 601))
     async with AsyncClient(d.cfg.api.socket) as c:
         reply = await c.put(small_profile.model_id, tokens, synthetic_kv(600), pin=True)
         store = (await c.status())["store"]
         ctxs = await c.contexts()
+        metrics = await c.metrics()
     assert reply["pinned"] > 0 and store["pinned_bytes"] == reply["pinned"] and store["pin_budget"] == 2**20
     assert [c["pinned"] for c in ctxs] == [True]
+    assert f"kvstreamd_store_pinned_bytes {float(reply['pinned'])}" in metrics
+    assert 'kvstreamd_store_budget_bytes{tier="pin"} 1.048576e+06' in metrics
 
 
 async def test_a_pin_over_the_budget_is_refused_by_the_api_with_the_message(inprocess, small_profile):
