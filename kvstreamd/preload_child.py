@@ -18,6 +18,16 @@ KEPT_ERRORS = 20  # errors status keeps (the log has them all)
 STOP_WAIT_S = 5.0  # how long a stopping daemon gives the child after SIGTERM
 
 
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """The child's environment: no progress bars (they would fill the log), and under systemd
+    (ProtectHome=, no writable ~/.cache) the model's converted copy kept in the unit's
+    CacheDirectory= ($CACHE_DIRECTORY), where the daemon may write."""
+    out = {**env, "TQDM_DISABLE": "1"}
+    if env.get("CACHE_DIRECTORY") and not env.get("XDG_CACHE_HOME"):
+        out["XDG_CACHE_HOME"] = env["CACHE_DIRECTORY"].split(":")[0]
+    return out
+
+
 class PreloadChild:
     def __init__(self, paths: tuple[Path, ...], model: str, socket: Path) -> None:
         self.argv = [sys.executable, "-m", "kvstreamd.cli", "preload", *map(str, paths), "--socket", str(socket),
@@ -36,7 +46,7 @@ class PreloadChild:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env={**os.environ, "TQDM_DISABLE": "1"})  # no bars in the log
+                stderr=asyncio.subprocess.PIPE, env=child_env(os.environ))
         except OSError as e:
             self._error(f"cannot run {self.argv[0]}: {e}")
             self.state = "failed"

@@ -15,7 +15,8 @@ a `get` of a disk-only chunk promotes it back to memory. Budgets count `ChunkRec
 (`pin`, `pinned`), and a delete of a pinned chunk waits for its last unpin. Lasting pins
 (`pin_context`, kvstreamd.pins: preloaded contexts) keep a context's chunks held until it is
 unpinned or deleted: disk eviction passes them over, and memory eviction drops only memory copies
-that have a file; their bytes are bounded by the pin budget.
+that have a file; their bytes are bounded by the pin budget. They are kept in `<dir>/pins.json`
+and restored at `open` before it evicts (a pin whose chunks are not all there is dropped).
 
 Disk LRU order lives in memory; it starts from the files' mtimes at `open`, and reading a chunk
 that is on disk touches its file's mtime (best effort) so the order roughly survives a restart.
@@ -26,7 +27,7 @@ Threading: one lock guards the index and both tiers; file writes and reads happe
 chunk being read from disk is pinned meanwhile). Callbacks run outside the lock, one at a time, in
 the order the changes happened.
 
-The file is long (~670 lines) because `Store` is what that one lock guards: the index, both
+The file is long (~690 lines) because `Store` is what that one lock guards: the index, both
 tiers, pins (a reader's and lasting ones) and deferred deletes, where each chunk is (placement)
 and the disk's fault state all change together under it; the key contract, the file format, the
 files on disk, the LRU tier and the lasting pins' bookkeeping are already apart (keys.py,
@@ -52,6 +53,7 @@ from .tier import Tier
 
 log = logging.getLogger("kvstreamd.store")
 
+PINS_FILE = "pins.json"  # the lasting pins, in the store's dir
 DROPPED_KEPT = 1024  # chunks whose reason for being dropped unreadable `dropped()` still knows
 
 Callback = Callable[[list[bytes]], None]
@@ -193,6 +195,7 @@ class Store:
                 self._add_meta(f.key, meta)
                 self._disk.add(f.key, meta.nbytes)
                 total += meta.nbytes
+            self._lasting.restore(self._dir / PINS_FILE, {k: m.nbytes for k, m in self._meta.items()})
             removed = self._evict(self._disk)
         if removed:
             log.warning("open: evicted %d chunks to fit the disk budget of %d bytes", len(removed), self._disk.budget)
@@ -335,7 +338,8 @@ class Store:
         n = 0
         removed: list[bytes] = []
         with self._lock:
-            self._lasting.remove(last_key)
+            if self._lasting.remove(last_key) is not None:
+                self._save_pins()
             k: bytes | None = last_key
             while k is not None and k in self._meta:
                 if any(c not in self._doomed for c in self._children.get(k, ())) or k in self._lasting:
@@ -507,13 +511,17 @@ class Store:
         says how many bytes are pinned and the budget)."""
         with self._lock:
             sizes = {k: self._meta[k].nbytes for k in keys if k in self._meta}
-            return self._lasting.add(keys, sizes)
+            new = self._lasting.add(keys, sizes)
+            if new:
+                self._save_pins()
+            return new
 
     def unpin_context(self, last_key: bytes) -> bool:
         """End a lasting pin (the context stays, evictable again); False when it was not pinned."""
         with self._lock:
             if self._lasting.remove(last_key) is None:
                 return False
+            self._save_pins()
             self._queue(self._on_remove, self._evict_both())
         self._run_callbacks()
         return True
@@ -644,6 +652,10 @@ class Store:
             else:
                 self._pins[k] -= 1
         return removed + self._evict_both()
+
+    def _save_pins(self) -> None:
+        if self._dir is not None and not self._lasting.save(self._dir / PINS_FILE):
+            self._disk_errors += 1
 
     def _evict(self, tier: Tier, protect: bytes | None = None) -> list[bytes]:
         """Evict from one tier; returns the keys that left the store (were in no other tier)."""

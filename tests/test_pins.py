@@ -8,7 +8,7 @@ import pytest
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.pins import PinRefused
 from kvstreamd.store import Store
-from test_store import KIB, Events, make_context, open_store
+from test_store import KIB, Events, chunk_file, make_context, open_store
 
 from conftest import synthetic_kv
 
@@ -106,6 +106,34 @@ def test_deleting_a_pinned_context_ends_its_pin_but_not_another_pins_prefix(tmp_
     assert s.delete_context(long[-1].key) == 2  # stops at the prefix another pin holds
     assert [k in s for k in keys(long)] == [True, True, False, False]
     assert not s.is_pinned(long[-1].key) and s.usage().pinned_bytes == 2 * KIB
+
+
+def test_a_pin_outlasts_a_reopen_and_the_eviction_at_open_passes_it_over(tmp_path):
+    s, _, pinned = pinned_store(tmp_path, 2 * KIB, 8 * KIB, 3 * KIB, 3)
+    for r in make_context(n_chunks=4, seed=2):
+        s.put(r)
+    s.close()
+    s = Store(tmp_path, 2 * KIB, 4 * KIB, pin_budget=3 * KIB)  # a smaller disk budget: open evicts
+    s.open()
+    assert s.is_pinned(pinned[-1].key) and all(k in s for k in keys(pinned))
+    assert s.usage().disk_bytes <= 4 * KIB and s.usage().pinned_bytes == 3 * KIB
+
+
+def test_a_pin_whose_chunks_are_gone_is_dropped_at_open(tmp_path):
+    s, _, pinned = pinned_store(tmp_path, 2 * KIB, 8 * KIB, 3 * KIB, 3)
+    s.close()
+    chunk_file(tmp_path, pinned[1].key).unlink()
+    s = Store(tmp_path, 2 * KIB, 8 * KIB, pin_budget=3 * KIB)
+    s.open()
+    assert s.pins() == [] and s.usage().pinned_bytes == 0
+    assert '"pins": []' in (tmp_path / "pins.json").read_text()  # rewritten without it
+
+
+def test_a_pins_file_that_is_not_one_is_logged_and_the_store_opens(tmp_path, caplog):
+    (tmp_path / "pins.json").write_text('{"version": 1, "pins": [["zz"]]}')
+    s = Store(tmp_path, 2 * KIB, 8 * KIB, pin_budget=3 * KIB)
+    s.open()
+    assert s.pins() == [] and "a pin is not a list of hex chunk keys" in caplog.text
 
 
 # -- the API ------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """[store] preload on a real daemon process with the real model: five WikiText-2 documents are
 prefilled by the daemon's `kvstreamd preload` child, stored and pinned; each is found locally on
 its first fetch, and filling the store past its budgets with other contexts evicts none of them.
-Also: a document held already is only pinned again, and a missing file is an error naming it
-that the daemon survives."""
+Also: a document held already is only pinned again (so a restart pins them all again), and a
+missing file is an error naming it that the daemon survives."""
 from __future__ import annotations
 
 import re
@@ -13,6 +13,7 @@ from codec import profile as profiles
 from kvstreamd import preload
 from kvstreamd.lab import corpus
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
+from kvstreamd.preload_child import child_env
 
 from conftest import synthetic_daemon, synthetic_kv
 
@@ -73,13 +74,15 @@ def test_preloaded_contexts_are_listed_pinned(preloaded):
     assert len(ctxs) == DOCS and all(c["pinned"] for c in ctxs)
 
 
-def test_a_preloaded_document_is_only_pinned_again(preloaded, lm):
+def test_a_stored_document_is_not_prefilled_again_only_pinned(preloaded, lm):
     node, docs = preloaded
-    path = next(iter(docs))
-    before = node.client().status()["store"]["pinned_bytes"]
-    o = preload.preload_one(node.client(), lm, path)
-    assert (o.outcome, o.stored_chunks, o.pinned) == ("held", 0, 0)
-    assert node.client().status()["store"]["pinned_bytes"] == before
+    c = node.client()
+    path, tokens = next(iter(docs.items()))
+    before = c.status()["store"]["pinned_bytes"]
+    c.unpin(c.pin(lm.model_id, tokens)["key"])  # (pinned already: the pin only names its key)
+    o = preload.preload_one(c, lm, path)
+    assert (o.outcome, o.stored_chunks) == ("held", 0) and o.pinned > 0
+    assert c.status()["store"]["pinned_bytes"] == before
 
 
 def test_filling_the_store_past_its_budgets_evicts_none_of_the_preloaded(preloaded, lm):
@@ -88,15 +91,15 @@ def test_filling_the_store_past_its_budgets_evicts_none_of_the_preloaded(preload
     prof = profiles.for_model(lm.model_id)
     pinned_bytes = c.status()["store"]["pinned_bytes"]
     others = []
-    for i in range(30):  # until an unpinned context has been evicted
+    for i in range(30):  # until three unpinned contexts have been evicted
         tokens = [1000 * (i + 1) + j for j in range(256)]
         c.put(lm.model_id, tokens, synthetic_kv(256, seed=i, layers=prof.layers, heads=prof.heads,
                                                  head_dim=prof.head_dim))
         others.append(tokens)
-        if any(c.lookup(lm.model_id, t)["local_tokens"] < len(t) for t in others):
+        if sum(c.lookup(lm.model_id, t)["local_tokens"] < len(t) for t in others) >= 3:
             break
     else:
-        pytest.fail("30 other contexts evicted nothing: the budgets are larger than the test means")
+        pytest.fail("30 other contexts evicted fewer than 3: the budgets are larger than the test means")
     store = c.status()["store"]
     assert store["evictions"] > 0 and store["pinned_bytes"] == pinned_bytes
     for path, tokens in docs.items():
@@ -113,3 +116,30 @@ def test_a_missing_preload_file_is_an_error_naming_it_and_the_daemon_serves(tmp_
         assert node.client().health()["status"] == "ok"
     finally:
         node.stop()
+
+
+def test_a_restart_pins_the_preloaded_documents_again_without_prefilling_them(preloaded):
+    node, docs = preloaded
+    node.stop()
+    node.start()
+    state = wait_preloaded(node)
+    assert (state["state"], state["held"], state["stored"]) == ("done", DOCS, 0), state
+    assert len(node.client().pins()) == DOCS
+
+
+def test_documents_are_files_and_the_txt_files_of_folders_and_each_bad_path_is_named(tmp_path):
+    (tmp_path / "d").mkdir()
+    for name in ("b.txt", "a.txt", "notes.md"):
+        (tmp_path / "d" / name).write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "one.text").write_text("x")
+    docs, bad = preload.documents([tmp_path / "one.text", tmp_path / "d", tmp_path / "empty", tmp_path / "gone.txt"])
+    assert docs == [tmp_path / "one.text", tmp_path / "d" / "a.txt", tmp_path / "d" / "b.txt"]
+    assert [o.error for o in bad] == [f"{tmp_path / 'empty'}: a folder with no *.txt files",
+                                      f"{tmp_path / 'gone.txt'}: no such file or folder"]
+
+
+def test_under_systemd_the_preload_child_keeps_the_model_in_the_units_cache_directory():
+    env = child_env({"CACHE_DIRECTORY": "/var/cache/kvstreamd", "HOME": "/nonexistent"})
+    assert env["XDG_CACHE_HOME"] == "/var/cache/kvstreamd" and env["TQDM_DISABLE"] == "1"
+    assert child_env({"XDG_CACHE_HOME": "/c", "CACHE_DIRECTORY": "/v"})["XDG_CACHE_HOME"] == "/c"
