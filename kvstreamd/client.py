@@ -266,7 +266,8 @@ class Client:
         reply = None
         ct = self.status()["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
-            body, seg = _put_segment(model_id, tokens[:e], piece, s, pin and e == len(tokens))
+            body, seg = _put_segment(model_id, tokens[:e], piece, s)
+            body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
                 reply = _summed(reply, self._call("POST", "/v1/contexts", body))
         return reply
@@ -337,8 +338,7 @@ def _summing(reply: dict | None):
         raise
 
 
-def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
-                 pin: bool = False) -> tuple[dict, Segment]:
+def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0) -> tuple[dict, Segment]:
     if kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"KV dtype {kv.dtype} is not one of {list(DTYPE_NAMES)}")
     seg = Segment.create(kv.numel() * kv.element_size(), mode=0o640)
@@ -354,8 +354,6 @@ def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int 
             "dtype": DTYPE_NAMES[kv.dtype]}
     if start:
         body["start"] = int(start)
-    if pin:
-        body["pin"] = True
     return body, seg
 
 
@@ -481,7 +479,8 @@ class AsyncClient:
         reply = None
         ct = (await self.status())["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
-            body, seg = _put_segment(model_id, tokens[:e], piece, s, pin and e == len(tokens))
+            body, seg = _put_segment(model_id, tokens[:e], piece, s)
+            body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
                 reply = _summed(reply, await self._call("POST", "/v1/contexts", body))
         return reply
