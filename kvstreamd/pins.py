@@ -65,14 +65,13 @@ class Pins:
         if missing:
             raise PinRefused(f"chunk {missing[0]} of the {len(chunks)} is not held here (evicted, or never "
                              f"stored): only a context held whole can be pinned")
-        new = sum(sizes[k] for k in set(chunks) if k not in self)
+        new = sum(sizes[k] for k in set(chunks) if k not in self._sizes)  # (a lost chunk held again counts again)
         if self.bytes + new > self.budget:
             raise PinRefused(f"pinning {new} more bytes would take the pinned bytes over the pin budget: "
                              f"{self.bytes} bytes are pinned and [store] pin_budget is {self.budget} bytes")
         self._contexts[context] = tuple(chunks)
         for k in chunks:
-            if not self._count[k]:
-                self._sizes[k] = sizes[k]
+            self._sizes.setdefault(k, sizes[k])
             self._count[k] += 1
         self.bytes += new
         return new
