@@ -307,7 +307,7 @@ def parser() -> argparse.ArgumentParser:
     talker("peers", "a running daemon's peers", _peers)
     pre = talker("preload", "prefill text files (or folders of *.txt) with the model and store them pinned; "
                             "documents held already are only pinned", _preload)
-    pre.add_argument("paths", nargs="+", metavar="PATH")
+    pre.add_argument("paths", nargs="+", metavar="PATH", help="a text file, or a folder: its *.txt files")
     model_option(pre)
     pre.add_argument("--quiet", action="store_true", help="no progress bar")
     talker("unpin", "end a context's pin (it stays stored, evictable again)", _unpin).add_argument(

@@ -92,6 +92,7 @@ def run(paths: list[str], model: str | None, client: Client, progress: bool = Tr
         emit(json.dumps(asdict(o)))
     if not docs:
         return outcomes
+    client.health()  # a daemon that is not there fails here (ClientError), before the model loads
     lm = models.load(model)
     with tqdm(docs, desc="preload", unit="doc", disable=not (progress and sys.stderr.isatty())) as bar:
         for path in bar:
