@@ -118,8 +118,8 @@ class Usage:
     pinned: int  # chunks with at least one pin
     evictions: int  # chunk evictions from either tier since start (one per tier)
     disk_errors: int  # failed chunk writes + bad or unreadable chunk files found by get
-    pinned_bytes: int = 0  # payload bytes of the chunks lasting pins hold (pin_context)
-    pin_budget: int = 0  # the most pinned_bytes may be ([store] pin_budget)
+    pinned_bytes: int  # payload bytes of the chunks lasting pins hold (pin_context)
+    pin_budget: int  # the most pinned_bytes may be ([store] pin_budget)
 
 
 @dataclass(slots=True)
