@@ -305,13 +305,6 @@ def parser() -> argparse.ArgumentParser:
     talker("status", "a running daemon's status", _status)
     talker("contexts", "contexts a running daemon holds", _contexts).add_argument("--json", action="store_true")
     talker("peers", "a running daemon's peers", _peers)
-    pre = talker("preload", "prefill text files (or folders of *.txt) with the model and store them pinned; "
-                            "documents held already are only pinned", _preload)
-    pre.add_argument("paths", nargs="+", metavar="PATH", help="a text file, or a folder: its *.txt files")
-    model_option(pre)
-    pre.add_argument("--quiet", action="store_true", help="no progress bar")
-    talker("unpin", "end a context's pin (it stays stored, evictable again)", _unpin).add_argument(
-        "key", help="the context's key, as `kvstreamd contexts --json` shows it")
     for name, func, helptext in (("put", _put, "prefill a text file with the model and store its KV"),
                                  ("fetch", _fetch, "fetch a text file's KV from the cluster"),
                                  ("generate", _generate, "answer a text file with the model, reusing the "
@@ -326,6 +319,13 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--deadline-ms", type=int, default=None)
         if name == "generate":
             sp.add_argument("--max-new-tokens", type=int, default=32)
+    pre = talker("preload", "prefill text files (or folders of *.txt) with the model and store them pinned; "
+                            "documents held already are only pinned", _preload)
+    pre.add_argument("paths", nargs="+", metavar="PATH", help="a text file, or a folder: its *.txt files")
+    model_option(pre)
+    pre.add_argument("--quiet", action="store_true", help="no progress bar")
+    talker("unpin", "end a context's pin (it stays stored, evictable again)", _unpin).add_argument(
+        "key", help="the context's key, as `kvstreamd contexts --json` shows it")
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print tables")
     bsub = bench.add_subparsers(dest="bench", required=True)

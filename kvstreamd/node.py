@@ -98,13 +98,13 @@ class Node:
         self.gpu_why = gpu_why
         self.stopping = False
         self.started = time.time()
+        self.preload = None  # the daemon's preload_child.PreloadChild, when [store] preload names documents
         self.buffers: dict[str, _Held] = {}
         self._stages: dict[bytes, object] = {}  # codec.gpu stages per profile id
         self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches that need a peer
         self._local_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches the local store serves whole
         self._active: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()  # fetched chunks being stored
-        self.preload = None  # the daemon's preload_child.PreloadChild, when [store] preload names documents
 
     @property
     def node_id(self) -> str:
