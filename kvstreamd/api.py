@@ -26,6 +26,13 @@
                                      start (the buffer to attach), chunk (one per chunk as it
                                      lands: kv or text), end (totals and per-stage timings)
     DELETE /v1/buffers/{name}        the client is done with a fetch's buffer
+    GET    /v1/pins                  lasting pins: [{key, chunks, bytes}]
+    POST   /v1/pins                  {model_id, tokens} -> pin the context held here whole for
+                                     them: {key, chunks, pinned, pinned_bytes, pin_budget}; 409
+                                     pin_refused over [store] pin_budget or when not held whole
+    DELETE /v1/pins/{key}            unpin a context by its last chunk key (hex); it stays stored
+    (POST /v1/contexts takes pin: true too: the context is pinned once stored, and the reply
+    says the bytes newly pinned in `pinned`; 409 pin_refused, with error.put, when it cannot be)
 
 Errors are JSON {"error": {"code", "message"}} with a 4xx/5xx status. Every field is checked here,
 against the bounds below, before the node sees it; a message names the field and never echoes
@@ -71,7 +78,10 @@ class Node(Protocol):
     def peer_info(self) -> list[dict]: ...
     async def lookup(self, model_id: str, tokens: list[int]) -> dict: ...
     async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0) -> dict: ...
+                  start: int = 0, pin: bool = False) -> dict: ...
+    async def pin(self, model_id: str, tokens: list[int]) -> dict: ...
+    async def unpin(self, key: bytes) -> None: ...
+    async def pins(self) -> list[dict]: ...
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]: ...
     def release_buffer(self, name: str) -> bool: ...
     def record_error(self, kind: str) -> None: ...
@@ -243,11 +253,15 @@ async def contexts(request: web.Request) -> web.Response:
     return web.json_response({"contexts": await request.app[NODE].contexts()})
 
 
-async def delete_context(request: web.Request) -> web.Response:
+def _context_key(request: web.Request) -> bytes:
     try:
-        key = bytes.fromhex(request.match_info["key"])
+        return bytes.fromhex(request.match_info["key"])
     except ValueError:
         raise _bad("context key must be hex") from None
+
+
+async def delete_context(request: web.Request) -> web.Response:
+    key = _context_key(request)
     return web.json_response({"deleted_chunks": await request.app[NODE].delete_context(key)})
 
 
@@ -269,7 +283,23 @@ async def put(request: web.Request) -> web.Response:
     model_id, tokens, dtype = _model_id(body), _tokens(body), _dtype(body)
     name, shape = _field(body, "buffer", str), _shape(body)
     start = _number(body, "start", int, 0, MAX_TOKENS) or 0
-    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start))
+    pin = _field(body, "pin", bool, False)
+    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start, pin))
+
+
+async def pins(request: web.Request) -> web.Response:
+    return web.json_response({"pins": await request.app[NODE].pins()})
+
+
+async def pin(request: web.Request) -> web.Response:
+    body = await _body(request)
+    return web.json_response(await request.app[NODE].pin(_model_id(body), _tokens(body)))
+
+
+async def unpin(request: web.Request) -> web.Response:
+    key = _context_key(request)
+    await request.app[NODE].unpin(key)
+    return web.json_response({"unpinned": key.hex()})
 
 
 async def fetch(request: web.Request) -> web.StreamResponse:
@@ -317,4 +347,7 @@ def make_app(node: Node) -> web.Application:
     app.router.add_post("/v1/contexts", put)
     app.router.add_post("/v1/fetch", fetch)
     app.router.add_delete("/v1/buffers/{name}", release_buffer)
+    app.router.add_get("/v1/pins", pins)
+    app.router.add_post("/v1/pins", pin)
+    app.router.add_delete("/v1/pins/{key}", unpin)
     return app

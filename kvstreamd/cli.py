@@ -206,7 +206,7 @@ def _contexts(args: argparse.Namespace) -> int:
     print(f"{'key':18} {'model':45} {'tokens':>7} {'chunks':>6} {'MB':>8}")
     for c in ctxs:
         print(f"{c['key'][:16]:18} {c['model_id'][:45]:45} {c['tokens']:>7} {c['chunks']:>6} {c['bytes'] / 1e6:>8.2f}"
-              + ("" if c["complete"] else "  (partial)"))
+              + ("" if c["complete"] else "  (partial)") + ("  (pinned)" if c.get("pinned") else ""))
     return 0
 
 
@@ -256,6 +256,20 @@ def _put(args: argparse.Namespace) -> int:
     prefill_s = time.perf_counter() - t0
     reply = _client(args).put(lm.model_id, tokens, kv.to(getattr(__import__("torch"), args.dtype)))
     _print({"tokens": len(tokens), "prefill_s": round(prefill_s, 3), **reply})
+    return 0
+
+
+@_guard
+def _preload(args: argparse.Namespace) -> int:
+    """Prefill documents and store them pinned (kvstreamd/preload.py); 1 if any failed."""
+    from . import preload
+    outcomes = preload.run(args.paths, args.model, _client(args), progress=not args.quiet)
+    return 1 if any(o.outcome == "failed" for o in outcomes) else 0
+
+
+@_guard
+def _unpin(args: argparse.Namespace) -> int:
+    _client(args).unpin(args.key)
     return 0
 
 
@@ -335,6 +349,13 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--deadline-ms", type=int, default=None)
         if name == "generate":
             sp.add_argument("--max-new-tokens", type=int, default=32)
+    pre = talker("preload", "prefill text files (or folders of *.txt) with the model and store them pinned; "
+                            "documents held already are only pinned", _preload)
+    pre.add_argument("paths", nargs="+", metavar="PATH", help="a text file, or a folder: its *.txt files")
+    model_option(pre)
+    pre.add_argument("--quiet", action="store_true", help="no progress bar")
+    talker("unpin", "end a context's pin (it stays stored, evictable again)", _unpin).add_argument(
+        "key", help="the context's key, as `kvstreamd contexts --json` shows it")
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print tables")
     bsub = bench.add_subparsers(dest="bench", required=True)

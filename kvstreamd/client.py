@@ -260,19 +260,32 @@ class Client:
     def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
 
-    def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0) -> dict:
+    def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0, pin: bool = False) -> dict:
         """Store (model_id, tokens) with its KV [L, 2, T, H, D]; the KV crosses in shared-memory
         segments made for the call and removed after it, one per request of at most
         PUT_PIECE_BYTES (whole chunks; the reply sums them). `start`: kv is only the KV of
         tokens[start:] (start a multiple of the daemon's chunk_tokens, the chunks before it put
-        already), for a caller that makes a long context's KV piece by piece."""
+        already), for a caller that makes a long context's KV piece by piece. `pin`: pin the
+        whole context once stored (see pin())."""
         reply = None
         ct = self.status()["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
             body, seg = _put_segment(model_id, tokens[:e], piece, s)
+            body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
                 reply = _summed(reply, self._call("POST", "/v1/contexts", body))
         return reply
+
+    def pin(self, model_id: str, tokens: list[int]) -> dict:
+        """Pin the context held for these tokens: the daemon's eviction passes it over until
+        unpin() or delete_context(). ClientError pin_refused over [store] pin_budget."""
+        return self._call("POST", "/v1/pins", {"model_id": model_id, "tokens": list(map(int, tokens))})
+
+    def unpin(self, key: str) -> None:
+        self._call("DELETE", f"/v1/pins/{key}")
+
+    def pins(self) -> list[dict]:
+        return self._call("GET", "/v1/pins")["pins"]
 
     def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
               dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
@@ -469,14 +482,25 @@ class AsyncClient:
     async def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return await self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
 
-    async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0) -> dict:
+    async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
+                  pin: bool = False) -> dict:
         reply = None
         ct = (await self.status())["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
             body, seg = _put_segment(model_id, tokens[:e], piece, s)
+            body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
                 reply = _summed(reply, await self._call("POST", "/v1/contexts", body))
         return reply
+
+    async def pin(self, model_id: str, tokens: list[int]) -> dict:
+        return await self._call("POST", "/v1/pins", {"model_id": model_id, "tokens": list(map(int, tokens))})
+
+    async def unpin(self, key: str) -> None:
+        await self._call("DELETE", f"/v1/pins/{key}")
+
+    async def pins(self) -> list[dict]:
+        return (await self._call("GET", "/v1/pins"))["pins"]
 
     async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
                     dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,

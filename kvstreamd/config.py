@@ -423,12 +423,30 @@ class PeerConfig:
     retry_max_s: float = _key(30.0, parse=_float(gt=0), reload=True)
 
 
+def _preload_paths(value, where, ctx) -> tuple[Path, ...]:
+    """[store] preload: text files and folders of them, as an array of paths or one path."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise _wrong_type(value, where, "an array of paths to text files or folders (or one path)")
+    paths = []
+    for i, item in enumerate(items):
+        path = _path(item, f"{where}[{i}]" if isinstance(value, list) else where, ctx)
+        if path is None and isinstance(value, list):
+            raise ConfigError(f"{where}[{i}]: \"\" is not a path")
+        if path is not None:
+            paths.append(path)
+    return tuple(paths)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     dir: Path = _key(parse=_path, computed=default_store_dir)
     memory_budget: int = _key(1 * GiB, parse=_size(0), reload=True)
     disk_budget: int = _key(8 * GiB, parse=_size(0), reload=True)
     keep_fetched: bool = _key(True, parse=_bool, reload=True)
+    pin_budget: int = _key(1 * GiB, parse=_size(0), reload=True)
+    preload: tuple[Path, ...] = _key((), parse=_preload_paths)
+    preload_model: str = _key("", parse=_string)
 
 
 @dataclass(frozen=True)

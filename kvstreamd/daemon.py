@@ -29,6 +29,7 @@ from .directory import Directory, PeerDirectory
 from .metrics import Metrics, set_level, setup_logging
 from .node import Node
 from .peers import PeerManager
+from .preload_child import PreloadChild
 from .shm import sweep_stale
 from .store import Store
 
@@ -85,6 +86,7 @@ class Daemon:
         self.coder: Coder | None = None
         self.peers: PeerManager | None = None
         self.node: Node | None = None  # once the parts it works with are up
+        self.preload: PreloadChild | None = None  # [store] preload's child, once the API is up
         self.stopping = False
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None  # [api] metrics_listen
@@ -104,7 +106,7 @@ class Daemon:
             log.info("removed %d shared-memory segments left by dead processes", len(swept))
         self.store = Store(cfg.store.dir, cfg.store.memory_budget, cfg.store.disk_budget,
                            on_add=lambda keys: self._keys_changed(True, keys),
-                           on_remove=lambda keys: self._keys_changed(False, keys))
+                           on_remove=lambda keys: self._keys_changed(False, keys), pin_budget=cfg.store.pin_budget)
         try:
             report = await asyncio.to_thread(self.store.open)
         except OSError as e:
@@ -136,6 +138,9 @@ class Daemon:
         if cfg.api.metrics_listen is not None:
             await self._start_metrics_listener(*cfg.api.metrics_listen)
         self._reaper = asyncio.ensure_future(self._reap_buffers())
+        if cfg.store.preload:  # after the API: the child stores through it
+            self.preload = self.node.preload = PreloadChild(cfg.store.preload, cfg.store.preload_model, cfg.api.socket)
+            self.preload.start()
         log.info("kvstreamd %s node %s: peers on %s:%d, API on %s", __version__, self.node_id, cfg.peer.listen[0],
                  self.peers.port, cfg.api.socket)
         sdnotify.ready(f"serving; peers on port {self.peers.port}")
@@ -190,6 +195,8 @@ class Daemon:
         sdnotify.stopping()
         if self.node is not None:
             self.node.stopping = True  # new fetches are refused from here on
+        if self.preload is not None:
+            await self.preload.stop()
         if self.peers is not None:
             await self.peers.stop()
         await self.directory.stop()
@@ -244,6 +251,7 @@ class Daemon:
         self.peers.set_peers(self.cfg.peer.peers)
         self.peers.recompute_tokens_per_s = self.cfg.fetch.recompute_tokens_per_s
         await asyncio.to_thread(self.store.set_budgets, self.cfg.store.memory_budget, self.cfg.store.disk_budget)
+        self.store.set_pin_budget(self.cfg.store.pin_budget)
         self.node.cfg = self.cfg
         if self.cfg.api.max_fetches != old.api.max_fetches:
             self.node.set_max_fetches(self.cfg.api.max_fetches)

@@ -60,6 +60,8 @@ class Metrics:
         self.store_budget = Gauge("kvstreamd_store_budget_bytes", "Store budget by tier", ["tier"], registry=r)
         self.store_chunks = Gauge("kvstreamd_store_chunks", "Chunks held (any tier)", registry=r)
         self.store_evictions = Gauge("kvstreamd_store_evictions", "Chunks evicted since start", registry=r)
+        self.store_pinned = Gauge("kvstreamd_store_pinned_bytes", "Payload bytes of pinned contexts' chunks "
+                                  "(bounded by kvstreamd_store_budget_bytes{tier=\"pin\"})", registry=r)
         self.peers_connected = Gauge("kvstreamd_peers_connected", "Peers with a ready connection", registry=r)
         self.peer_up = Gauge("kvstreamd_peer_up", "1 while a peer of [peer] peers (by address) has a ready "
                              "connection, 0 while it is unreachable", ["peer"], registry=r)

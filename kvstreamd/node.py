@@ -1,6 +1,6 @@
 """What a node does for the model processes on its host, as the local API sees it: put a
 context, fetch a prompt's longest cached prefix (an async iterator of `events`), look a prompt
-up, list and delete contexts, hold and release fetch buffers, report status. The daemon
+up, list, pin and delete contexts, hold and release fetch buffers, report status. The daemon
 (daemon.py) builds the parts and owns their life cycle; this holds the work."""
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from .pipeline import FetchJob, plan
 from .shm import Reader as SegmentReader, ShmError
 from .chunkfile import ChunkRecord
 from .keys import chunk_keys
+from .pins import PinRefused
 from .store import NO_ROOM, Store, StoreError
 
 log = logging.getLogger("kvstreamd.node")
@@ -100,6 +101,7 @@ class Node:
         self.stopping = False
         self.started = time.time()
         self.recent_fetches = health.RecentFetches()  # what /v1/status judges the fetch thresholds over
+        self.preload = None  # the daemon's preload_child.PreloadChild, when [store] preload names documents
         self.buffers: dict[str, _Held] = {}
         self._stages: dict[bytes, object] = {}  # codec.gpu stages per profile id
         self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches that need a peer
@@ -126,13 +128,16 @@ class Node:
     # -- put ---------------------------------------------------------------------------------
 
     async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0) -> dict:
+                  start: int = 0, pin: bool = False) -> dict:
         """Store a context whose KV the client left in the shared-memory segment `buffer`. With
         `start` (a multiple of chunk_tokens, below len(tokens)) the segment holds only the KV of
         tokens[start:], and the chunks before it must be held here already: a long context is
-        put piece by piece, so that no one request needs all of its KV in memory at once."""
+        put piece by piece, so that no one request needs all of its KV in memory at once. `pin`:
+        pin the whole context once stored (see pin())."""
         prof = self.profile_for(model_id)
         ct = self.cfg.codec.chunk_tokens
+        if pin:
+            self._room_to_pin(chunk_keys(model_id, tokens, ct)[-1])  # before any encoding
         if start % ct or not 0 <= start < len(tokens):
             raise RequestError(400, "bad_start", f"start {start} must be a multiple of chunk_tokens ({ct}) "
                                                  f"below the {len(tokens)} tokens")
@@ -175,6 +180,8 @@ class Node:
             raise RequestError(507, "disk_full" if full else "disk_error",
                                f"the store's disk {'is full' if full else 'fails'} ({out.disk_error}): "
                                f"{_where(placement)}", {"put": reply})
+        if pin:
+            reply["pinned"] = await self._pin(keys, {"put": reply})
         return reply
 
     async def _put(self, model_id: str, tokens: list[int], kv: SegmentReader, prof: Profile,
@@ -451,9 +458,45 @@ class Node:
                 "peers": {peer: tok(n) for peer, n in p.peers.items()}, "found_tokens": p.found_tokens}
 
     async def contexts(self) -> list[dict]:
+        pinned = {p.key for p in await asyncio.to_thread(self.store.pins)}
         return [{"key": c.key.hex(), "model_id": c.model_id, "tokens": c.tokens, "chunks": c.chunks,
-                 "complete": c.complete, "created": c.created, "bytes": c.nbytes}
+                 "complete": c.complete, "created": c.created, "bytes": c.nbytes, "pinned": c.key in pinned}
                 for c in await asyncio.to_thread(self.store.contexts)]
+
+    # -- lasting pins ------------------------------------------------------------------------
+
+    async def pin(self, model_id: str, tokens: list[int]) -> dict:
+        """Pin the context held here whole for these tokens: eviction passes its chunks over
+        until it is unpinned or deleted. 409 pin_refused when a chunk is not held or the pin
+        would go over [store] pin_budget."""
+        self.profile_for(model_id)
+        keys = chunk_keys(model_id, tokens, self.cfg.codec.chunk_tokens)
+        new = await self._pin(keys)
+        u = self.store.usage()
+        return {"key": keys[-1].hex(), "chunks": len(keys), "pinned": new, "pinned_bytes": u.pinned_bytes,
+                "pin_budget": u.pin_budget}
+
+    async def _pin(self, keys: list[bytes], detail: dict | None = None) -> int:
+        try:
+            return await asyncio.to_thread(self.store.pin_context, keys)
+        except PinRefused as e:
+            raise RequestError(409, "pin_refused", f"pin refused: {e}"
+                               + ("; the context is stored, unpinned" if detail else ""), detail) from None
+
+    def _room_to_pin(self, key: bytes) -> None:
+        """A put to pin is refused before any encoding when the pin budget is spent already."""
+        u = self.store.usage()
+        if u.pinned_bytes >= u.pin_budget and not self.store.is_pinned(key):
+            raise RequestError(409, "pin_refused", f"pin refused: {u.pinned_bytes} bytes are pinned and "
+                                                   f"[store] pin_budget is {u.pin_budget} bytes")
+
+    async def unpin(self, key: bytes) -> None:
+        if not await asyncio.to_thread(self.store.unpin_context, key):
+            raise RequestError(404, "not_found", f"no pinned context ends at chunk {key.hex()}")
+
+    async def pins(self) -> list[dict]:
+        return [{"key": p.key.hex(), "chunks": p.chunks, "bytes": p.nbytes}
+                for p in await asyncio.to_thread(self.store.pins)]
 
     async def delete_context(self, key: bytes) -> int:
         if not self.store.has(key):
@@ -505,6 +548,8 @@ class Node:
         m.store_budget.labels("disk").set(u.disk_budget)
         m.store_chunks.set(u.chunks)
         m.store_evictions.set(u.evictions)
+        m.store_pinned.set(u.pinned_bytes)
+        m.store_budget.labels("pin").set(u.pin_budget)
         m.buffers_held.set(len(self.buffers))
         m.buffer_bytes.set(sum(h.buffer.nbytes for h in self.buffers.values()))
         m.set_degraded({f["reason"] for f in self.degraded()})
@@ -531,5 +576,7 @@ class Node:
                           "last_loss": self.coder.pool.last_loss},
                 "store": {k: getattr(u, k) for k in ("chunks", "memory_bytes", "memory_budget", "disk_bytes",
                                                       "disk_budget", "memory_chunks", "disk_chunks", "pinned",
-                                                      "evictions", "disk_errors")}}
+                                                      "evictions", "disk_errors", "pinned_bytes",
+                                                      "pin_budget")},
+                "preload": self.preload.info() if self.preload is not None else None}
 

@@ -12,7 +12,11 @@ written through to disk; memory eviction only drops a chunk's memory copy when i
 a `get` of a disk-only chunk promotes it back to memory. Budgets count `ChunkRecord.nbytes`
 (payload bytes) in each tier, not file sizes. A chunk is held while it is in either tier;
 `on_add` / `on_remove` report keys becoming held / no longer held. Eviction skips pinned chunks
-(`pin`, `pinned`), and a delete of a pinned chunk waits for its last unpin.
+(`pin`, `pinned`), and a delete of a pinned chunk waits for its last unpin. Lasting pins
+(`pin_context`, kvstreamd.pins: preloaded contexts) keep a context's chunks held until it is
+unpinned or deleted: disk eviction passes them over, and memory eviction drops only memory copies
+that have a file; their bytes are bounded by the pin budget. They are kept in `<dir>/pins.json`
+and restored at `open` before it evicts (a pin whose chunks are not all there is dropped).
 
 Disk LRU order lives in memory; it starts from the files' mtimes at `open`, and reading a chunk
 that is on disk touches its file's mtime (best effort) so the order roughly survives a restart.
@@ -23,10 +27,11 @@ Threading: one lock guards the index and both tiers; file writes and reads happe
 chunk being read from disk is pinned meanwhile). Callbacks run outside the lock, one at a time, in
 the order the changes happened.
 
-The file is long (~600 lines) because `Store` is what that one lock guards: the index, both
-tiers, pins and deferred deletes, where each chunk is (placement) and the disk's fault state all
-change together under it; the key contract, the file format, the files on disk and the LRU tier
-are already apart (keys.py, chunkfile.py, chunkdir.py, tier.py).
+The file is long (~690 lines) because `Store` is what that one lock guards: the index, both
+tiers, pins (a reader's and lasting ones) and deferred deletes, where each chunk is (placement)
+and the disk's fault state all change together under it; the key contract, the file format, the
+files on disk, the LRU tier and the lasting pins' bookkeeping are already apart (keys.py,
+chunkfile.py, chunkdir.py, tier.py, pins.py).
 """
 from __future__ import annotations
 
@@ -43,10 +48,12 @@ from typing import Callable, Iterator, Sequence
 from . import chunkfile
 from .chunkdir import ChunkDir
 from .chunkfile import ChunkFileError, ChunkRecord
+from .pins import Pin, Pins
 from .tier import Tier
 
 log = logging.getLogger("kvstreamd.store")
 
+PINS_FILE = "pins.json"  # the lasting pins, in the store's dir
 DROPPED_KEPT = 1024  # chunks whose reason for being dropped unreadable `dropped()` still knows
 
 Callback = Callable[[list[bytes]], None]
@@ -111,6 +118,8 @@ class Usage:
     pinned: int  # chunks with at least one pin
     evictions: int  # chunk evictions from either tier since start (one per tier)
     disk_errors: int  # failed chunk writes + bad or unreadable chunk files found by get
+    pinned_bytes: int  # payload bytes of the chunks lasting pins hold (pin_context)
+    pin_budget: int  # the most pinned_bytes may be ([store] pin_budget)
 
 
 @dataclass(slots=True)
@@ -135,7 +144,7 @@ class Store:
     docstring. Call `open()` before use and `close()` at the end. Thread-safe."""
 
     def __init__(self, dir: Path | None, memory_budget: int, disk_budget: int,
-                 on_add: Callback | None = None, on_remove: Callback | None = None) -> None:
+                 on_add: Callback | None = None, on_remove: Callback | None = None, pin_budget: int = 0) -> None:
         if memory_budget < 0 or disk_budget < 0:
             raise ValueError("budgets must be >= 0")
         self._dir = Path(dir) if dir is not None else None
@@ -151,6 +160,7 @@ class Store:
         self._mem = Tier("memory", memory_budget)
         self._disk = Tier("disk", disk_budget if dir is not None else 0, on_evict=self._unlink)
         self._pins: collections.Counter[bytes] = collections.Counter()
+        self._lasting = Pins(pin_budget)
         self._doomed: set[bytes] = set()  # deleted while pinned: removed at the last unpin
         self._inflight: set[bytes] = set()  # keys being put
         self._evictions = 0
@@ -185,6 +195,7 @@ class Store:
                 self._add_meta(f.key, meta)
                 self._disk.add(f.key, meta.nbytes)
                 total += meta.nbytes
+            self._lasting.restore(self._dir / PINS_FILE, {k: m.nbytes for k, m in self._meta.items()})
             removed = self._evict(self._disk)
         if removed:
             log.warning("open: evicted %d chunks to fit the disk budget of %d bytes", len(removed), self._disk.budget)
@@ -321,14 +332,17 @@ class Store:
     def delete_context(self, last_key: bytes) -> int:
         """Delete the chain ending at last_key back to its root, stopping at the first chunk that
         is also the parent of another held chunk (shared prefixes survive; chunks whose only
-        children are pending deletion do not count as shared). Pinned chunks are deleted at
-        their last unpin. Returns how many chunks were deleted or scheduled for deletion."""
+        children are pending deletion do not count as shared) or that another context's lasting
+        pin holds; the context's own lasting pin ends. Chunks a reader pins are deleted at their
+        last unpin. Returns how many chunks were deleted or scheduled for deletion."""
         n = 0
         removed: list[bytes] = []
         with self._lock:
+            if self._lasting.remove(last_key) is not None:
+                self._save_pins()
             k: bytes | None = last_key
             while k is not None and k in self._meta:
-                if any(c not in self._doomed for c in self._children.get(k, ())):
+                if any(c not in self._doomed for c in self._children.get(k, ())) or k in self._lasting:
                     break
                 parent = self._meta[k].parent
                 if self._pins[k]:
@@ -340,6 +354,13 @@ class Store:
             self._queue(self._on_remove, removed)
         self._run_callbacks()
         return n
+
+    def set_pin_budget(self, budget: int) -> None:
+        """A new pin budget (SIGHUP). Pins held already stay, even over it; new ones must fit."""
+        if budget < 0:
+            raise ValueError("the pin budget must be >= 0")
+        with self._lock:
+            self._lasting.budget = budget
 
     def set_budgets(self, memory_budget: int, disk_budget: int) -> None:
         """New budgets (SIGHUP); evicts down to them now. A disk budget of 0 stops disk writes and
@@ -490,6 +511,39 @@ class Store:
         finally:
             self.unpin([r.key for r in recs if r is not None])
 
+    def pin_context(self, keys: Sequence[bytes]) -> int:
+        """A lasting pin on the context whose chunk keys are `keys` (all held; the last names
+        the pin): eviction passes its chunks over until unpin_context or delete_context ends it.
+        Returns the bytes newly pinned (0 when it was pinned already); PinRefused, with nothing
+        pinned, when a chunk is not held or the pin would go over the pin budget (the message
+        says how many bytes are pinned and the budget)."""
+        with self._lock:
+            sizes = {k: self._meta[k].nbytes for k in keys if k in self._meta}
+            new = self._lasting.add(keys, sizes)
+            if new:
+                self._save_pins()
+            return new
+
+    def unpin_context(self, last_key: bytes) -> bool:
+        """End a lasting pin (the context stays, evictable again); False when it was not pinned."""
+        with self._lock:
+            if self._lasting.remove(last_key) is None:
+                return False
+            self._save_pins()
+            self._queue(self._on_remove, self._evict_both())
+        self._run_callbacks()
+        return True
+
+    def is_pinned(self, last_key: bytes) -> bool:
+        """Whether a lasting pin names the context ending at this chunk."""
+        with self._lock:
+            return self._lasting.pinned(last_key)
+
+    def pins(self) -> list[Pin]:
+        """The lasting pins."""
+        with self._lock:
+            return self._lasting.contexts()
+
     def contexts(self) -> list[ContextInfo]:
         """One entry per leaf (a held chunk no held chunk names as parent), oldest first."""
         out = []
@@ -513,7 +567,7 @@ class Store:
         with self._lock:
             return Usage(len(self._meta), self._mem.bytes, self._mem.budget, self._disk.bytes, self._disk.budget,
                          len(self._mem), len(self._disk), sum(1 for c in self._pins.values() if c > 0),
-                         self._evictions, self._disk_errors)
+                         self._evictions, self._disk_errors, self._lasting.bytes, self._lasting.budget)
 
     def placement(self, keys: Sequence[bytes]) -> list[str | None]:
         """Where each chunk is: "disk" (its file: it survives a restart), "memory" (memory only:
@@ -573,6 +627,7 @@ class Store:
 
     def _forget(self, key: bytes) -> None:
         meta = self._meta.pop(key)
+        self._lasting.lost(key)
         self._doomed.discard(key)
         if meta.parent is not None:
             kids = self._children.get(meta.parent)
@@ -606,10 +661,14 @@ class Store:
                 self._pins[k] -= 1
         return removed + self._evict_both()
 
+    def _save_pins(self) -> None:
+        if self._dir is not None and not self._lasting.save(self._dir / PINS_FILE):
+            self._disk_errors += 1
+
     def _evict(self, tier: Tier, protect: bytes | None = None) -> list[bytes]:
         """Evict from one tier; returns the keys that left the store (were in no other tier)."""
         removed: list[bytes] = []
-        for k in tier.evict(self._pins, protect):
+        for k in tier.evict(_Kept(self._pins, self._lasting, self._disk if tier is self._mem else None), protect):
             self._evictions += 1
             if k not in self._mem and k not in self._disk:
                 self._forget(k)
@@ -618,3 +677,16 @@ class Store:
 
     def _evict_both(self) -> list[bytes]:
         return self._evict(self._mem) + self._evict(self._disk)
+
+
+class _Kept:
+    """What eviction from one tier passes over (Tier.evict asks `get(key)`): chunks a reader
+    pins, and chunks a lasting pin holds, except, in the memory tier, those whose file on disk
+    keeps them held (`disk`: the disk tier, or None for the disk tier itself)."""
+    __slots__ = ("pins", "lasting", "disk")
+
+    def __init__(self, pins: collections.Counter[bytes], lasting: Pins, disk: Tier | None) -> None:
+        self.pins, self.lasting, self.disk = pins, lasting, disk
+
+    def get(self, key: bytes) -> bool:
+        return bool(self.pins.get(key)) or (key in self.lasting and (self.disk is None or key not in self.disk))

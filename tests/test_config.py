@@ -420,3 +420,27 @@ def test_old_and_new_names_of_one_section_together_are_refused(tmp_path):
     p.write_text("[stream]\ndeadline_ms = 1\n[fetch]\ndeadline_ms = 2\n")
     with pytest.raises(config.ConfigError, match=r"\[stream\] is the old name of \[fetch\]"):
         config.load(p, env={})
+
+
+# -- [store] preload and pin_budget -------------------------------------------------------------
+
+@pytest.mark.parametrize("text,key,fragment", [
+    ("[store]\npreload = 5\n", "[store] preload", "expected an array of paths to text files or folders"),
+    ('[store]\npreload = ["a.txt", 3]\n', "[store] preload", "got array"),
+    ('[store]\npreload = ["a.txt", ""]\n', "[store] preload[1]", '"" is not a path'),
+    ("[store]\npreload_model = 1\n", "[store] preload_model", "expected a string"),
+    ('[store]\npin_budget = "lots"\n', "[store] pin_budget", "is not a size"),
+])
+def test_a_bad_preload_or_pin_budget_is_refused_naming_the_key(env, tmp_path, text, key, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load(path, env)
+    assert str(err.value).startswith(f"{path}: {key}: ") and fragment in str(err.value), str(err.value)
+
+
+def test_preload_paths_are_relative_to_the_file_and_one_path_may_be_a_string(env, tmp_path):
+    cfg = load(write(tmp_path, '[store]\npreload = "docs"\npreload_model = "gemma3-270m"\npin_budget = "2GiB"\n'), env)
+    assert (cfg.store.preload, cfg.store.preload_model, cfg.store.pin_budget) == ((tmp_path / "docs",),
+                                                                                  "gemma3-270m", 2 * 2**30)
+    assert load(write(tmp_path, '[store]\npreload = ["/a.txt", "b"]\n'), env).store.preload == (
+        Path("/a.txt"), tmp_path / "b")
