@@ -9,6 +9,11 @@
     GET    /v1/contexts              contexts held (one per stored chain)
     DELETE /v1/contexts/{key}        delete a context by its last chunk key (hex)
     GET    /v1/peers                 configured and connected peers
+    POST   /v1/peers/probe           {bytes?, timeout_s?} -> {"peers": [...]}: each connected peer
+                                     probed at once (round trip, bandwidth with `bytes` of padding,
+                                     clock offset), within timeout_s (kvstreamd/diagnosis.py)
+    GET    /v1/doctor                what `kvstreamd doctor` needs besides: errors in the last hour,
+                                     damaged chunks, stored models' profiles, decode rate
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer
     POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype, start?}; KV is
                                      read from the shared-memory segment `buffer` the client made
@@ -43,6 +48,7 @@ from codec import catalog
 from . import events
 from .events import FetchRequest
 from .metrics import new_request_id
+from .diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
 from .node import RequestError
 from .shm import DTYPES
 
@@ -74,6 +80,8 @@ class Node(Protocol):
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]: ...
     def release_buffer(self, name: str) -> bool: ...
     def record_error(self, kind: str) -> None: ...
+    async def doctor(self) -> dict: ...
+    async def probe_peers(self, size: int, timeout_s: float) -> list[dict]: ...
 
 
 NODE = web.AppKey("node", Node)
@@ -160,7 +168,7 @@ def _number(body: dict, name: str, kind: type | tuple, lo: float, hi: float) -> 
     """An optional number field within lo..hi (and finite)."""
     v = _field(body, name, kind, None)
     if v is not None and not lo <= v <= hi:  # NaN fails too
-        raise _bad(f"field {name!r} must be {lo:d}..{hi:d}, got {_shown(v)}")
+        raise _bad(f"field {name!r} must be {lo}..{hi}, got {_shown(v)}")
     return v
 
 
@@ -253,6 +261,18 @@ async def peers(request: web.Request) -> web.Response:
     return web.json_response({"peers": request.app[NODE].peer_info()})
 
 
+async def probe_peers(request: web.Request) -> web.Response:
+    body = await _body(request) if request.can_read_body else {}
+    size = _number(body, "bytes", int, MIN_PROBE_BYTES, MAX_PROBE_BYTES)
+    timeout_s = _number(body, "timeout_s", (int, float), 0.1, MAX_PROBE_TIMEOUT_S)
+    peers = await request.app[NODE].probe_peers(size or PROBE_BYTES, timeout_s or PROBE_TIMEOUT_S)
+    return web.json_response({"peers": peers})
+
+
+async def doctor(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[NODE].doctor())
+
+
 async def lookup(request: web.Request) -> web.Response:
     body = await _body(request)
     return web.json_response(await request.app[NODE].lookup(_model_id(body), _tokens(body)))
@@ -306,6 +326,8 @@ def make_app(node: Node) -> web.Application:
     app.router.add_get("/v1/contexts", contexts)
     app.router.add_delete("/v1/contexts/{key}", delete_context)
     app.router.add_get("/v1/peers", peers)
+    app.router.add_post("/v1/peers/probe", probe_peers)
+    app.router.add_get("/v1/doctor", doctor)
     app.router.add_post("/v1/lookup", lookup)
     app.router.add_post("/v1/contexts", put)
     app.router.add_post("/v1/fetch", fetch)

@@ -253,6 +253,14 @@ class Client:
     def peers(self) -> list[dict]:
         return self._call("GET", "/v1/peers")["peers"]
 
+    def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        """Each connected peer's round trip, bandwidth and clock offset, measured now (bounded)."""
+        body = {k: v for k, v in (("bytes", nbytes), ("timeout_s", timeout_s)) if v is not None}
+        return self._call("POST", "/v1/peers/probe", body)["peers"]
+
+    def doctor(self) -> dict:
+        return self._call("GET", "/v1/doctor")
+
     def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
 

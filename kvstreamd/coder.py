@@ -19,9 +19,9 @@ from codec.profile import Profile
 
 log = logging.getLogger("kvstreamd.coder")
 
-# One core decodes ~140-160 MB/s of fp16 at the entropy-coded levels (docs/benchmarks.md); a
-# prior for the first FETCH, replaced by what this host measures.
-PRIOR_MBPS_PER_WORKER = 140.0
+# What one core decodes at the entropy-coded levels (codec.catalog): a prior for the first
+# FETCH, replaced by what this host measures.
+PRIOR_MBPS_PER_WORKER = catalog.DECODE_MBPS_PER_CORE
 # A GPU decodes tens of GB/s (scripts/gpu_check.sh); per chunk, launch and upload costs bound it.
 PRIOR_GPU_MBPS = 2000.0
 
@@ -88,6 +88,11 @@ class Coder:
     def decode_mbps(self) -> float:
         """MB/s of fp16 KV this host decodes at the entropy-coded levels (moving average)."""
         return self._mbps
+
+    @property
+    def decode_samples(self) -> int:
+        """CPU decodes (of over 1 MB each) decode_mbps has measured; 0: it is still the prior."""
+        return self._samples
 
     def rate(self, gpu: bool = False) -> float:
         """decode_mbps, or the GPU's when a fetch decodes there."""

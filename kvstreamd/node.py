@@ -18,7 +18,7 @@ from codec.errors import CodecError
 from codec.parallel import WorkerLost
 from codec.profile import Profile
 
-from . import __version__, events
+from . import __version__, diagnosis, events
 from .buffers import FetchBuffer, HostBuffer
 from .config import Config
 from .coder import Coder
@@ -468,6 +468,12 @@ class Node:
         if faults:
             return {"status": "degraded", "node_id": self.node_id, "degraded": faults}
         return {"status": "ok", "node_id": self.node_id}
+
+    async def doctor(self) -> dict:
+        return await diagnosis.report(self)
+
+    async def probe_peers(self, size: int, timeout_s: float) -> list[dict]:
+        return await diagnosis.probe_peers(self.peers, size, timeout_s)
 
     def record_error(self, kind: str) -> None:
         self.metrics.error(kind)

@@ -13,6 +13,7 @@ import inspect
 import logging
 import math
 import ssl as _ssl
+import time
 from typing import Any, Awaitable, Callable, Coroutine
 
 from . import frames, tls as _tls
@@ -67,7 +68,7 @@ class PeerConnection(asyncio.Protocol):
                  on_lost: Callable[[PeerConnection], None] | None = None):
         kw = {"nonce_source": nonce_source} if nonce_source else {}
         self.conn = Connection(role, node_id, secret, max_frame_bytes=max_frame_bytes, caps=caps,
-                               max_buffered_bytes=max_buffered_bytes, **kw)
+                               max_buffered_bytes=max_buffered_bytes, wall_clock=time.time, **kw)
         self.node_id = node_id
         self.peer_node_id: str | None = None  # known once ready
         self.peer_caps: dict | None = None
@@ -89,6 +90,8 @@ class PeerConnection(asyncio.Protocol):
         self._calls: dict[int, FetchCall] = {}  # this side's fetches still running, by req
         self._served: dict[int, ServedFetch] = {}  # the peer's FETCHes with a handler running
         self._pings: dict[float, asyncio.Future[float]] = {}
+        self._ping_walls: dict[float, float] = {}  # an unpadded PING's time -> wall clock as it went
+        self.clock_offset: float | None = None  # seconds the peer's wall clock is ahead of ours (latest PONG)
         self._reading_paused = False  # what the transport was last told
         self._tasks: set[asyncio.Task] = set()
         self._label = "?"  # the peer's node id once known, its address before; for logs
@@ -191,6 +194,8 @@ class PeerConnection(asyncio.Protocol):
         while t in self._pings:  # the PONG names its PING by time alone: a PING sent in the same
             t = math.nextafter(t, math.inf)  # tick as another gets a time of its own, just past it
         fut = self._pings[t] = self._loop.create_future()
+        if pad is None:  # a padded PING's round trip holds its transfer: no measure of the clocks
+            self._ping_walls[t] = time.time()
         await self._send(Ping(t, pad))
         return sent, await fut  # (the clock's time, not the PING's: its PONG may come in the same tick)
 
@@ -323,6 +328,10 @@ class PeerConnection(asyncio.Protocol):
     def _received(self, msg: Message, now: float) -> None:
         if isinstance(msg, Pong):
             fut = self._pings.pop(msg.time, None)
+            wall = self._ping_walls.pop(msg.time, None)
+            if wall is not None and msg.wall is not None:
+                # the peer read its clock about half a round trip after ours went
+                self.clock_offset = msg.wall - (wall + (now - msg.time) / 2)
             if fut is not None and not fut.done():
                 fut.set_result(now)
         elif not isinstance(msg, Ping):  # the connection has already queued the PONG
@@ -414,6 +423,7 @@ class PeerConnection(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(self._closed_error())
         self._pings.clear()
+        self._ping_walls.clear()
         self._inbox.put_nowait(None)
         self._writable.set()  # wake writers so they see the close
 

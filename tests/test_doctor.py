@@ -1,0 +1,132 @@
+"""`kvstreamd doctor` against a cluster of real daemon processes (the small synthetic
+profile, for speed), run as the operator runs it: a subprocess with --json, its exit status
+0 / 1 / 2 for ok / warn / fail. The cpu and gpu checks read this host's hardware: on a CPU
+without AVX2 the cpu check warns for a real reason, and only those two may then differ from ok."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import synthetic_daemon, synthetic_kv
+from kvstreamd import doctor
+from kvstreamd.chunkfile import decode as read_chunk, encode as write_chunk
+from kvstreamd.lab.daemons import wait_for
+
+MODEL = "synthetic-test-model"
+TOKENS = 600  # three 256-token chunks, the last partial
+PROBE_BYTES = 4 * 2**20  # well past what scheduling jitter on a shared host could hide on loopback
+HARDWARE = {"cpu", "gpu"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, small_profile):
+    """Four daemons, started once (a daemon takes seconds to start), each test using its own
+    so that none sees another's doing: a holds (memory_budget 0: every chunk it serves is read
+    from its file) and is peered with all; b, c and d are each peered with a alone. b fetches
+    the healthy context, c the damaged one, and d is the peer that gets stopped."""
+    root = tmp_path_factory.mktemp("doctor")
+    a = synthetic_daemon(root, "a", small_profile, store={"memory_budget": 0})
+    others = {n: synthetic_daemon(root, n, small_profile) for n in ("b", "c", "d")}
+    a.peers = [d.addr for d in others.values()]
+    for d in others.values():
+        d.peers = [a.addr]
+    nodes = {"a": a, **others}
+    try:
+        for d in nodes.values():
+            d.start(wait=0)
+        for d in nodes.values():
+            d.wait_healthy(180)
+        wait_for(lambda: a.client().status()["peers_connected"] == ["b", "c", "d"], timeout=60,
+                 what="a to connect to b, c and d")
+        yield nodes
+    finally:
+        for d in nodes.values():
+            d.kill()
+
+
+def run_doctor(d) -> tuple[int, dict]:
+    out = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "doctor", "--json", "--socket", str(d.socket),
+                          "--probe-bytes", str(PROBE_BYTES)], capture_output=True, text=True, timeout=120)
+    assert out.stdout, out.stderr
+    return out.returncode, json.loads(out.stdout)
+
+
+def by_name(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def stored_on(a, first: int) -> tuple[list[int], list[bytes]]:
+    """A context of its own (token ids from `first`) put on a; its tokens and chunk keys."""
+    tokens, kv = list(range(first, first + TOKENS)), synthetic_kv(TOKENS, seed=first).half()
+    keys = [bytes.fromhex(k) for k in a.client().put(MODEL, tokens, kv)["keys"]]
+    return tokens, keys
+
+
+def fetched_by(d, tokens) -> list:
+    """d's fetch of tokens, from a, once d has heard that a holds every chunk."""
+    wait_for(lambda: d.client().lookup(MODEL, tokens)["peers"].get("a") == TOKENS, timeout=30,
+             what=f"{d.name} to learn a's keys")
+    with d.client().fetch(MODEL, tokens, deadline_ms=30_000) as f:
+        return list(f)
+
+
+def damage_bitstreams(d, key: bytes) -> None:
+    """Flip a byte in the middle of every level's bitstream of chunk `key` on d's disk, and
+    write the file again with its own CRCs right: damage from before the chunk was written
+    (a bit flipped in memory), which d's file check cannot see and so d serves."""
+    [path] = [p for p in d.root.joinpath("store").rglob(f"*{key.hex()}*") if p.is_file()]
+    rec = read_chunk(path.read_bytes())
+    levels = {}
+    for level, payload in rec.levels.items():
+        bad = bytearray(payload)
+        bad[len(bad) // 2] ^= 0xFF
+        levels[level] = bytes(bad)
+    path.write_bytes(write_chunk(dataclasses.replace(rec, levels=levels)))
+
+
+def test_doctor_against_a_healthy_cluster_is_all_ok_and_exits_0(cluster):
+    a, b = cluster["a"], cluster["b"]
+    tokens, _ = stored_on(a, 1000)
+    assert [ev.kind for ev in fetched_by(b, tokens)] == ["kv"] * 3
+    rc, report = run_doctor(b)
+    checks = by_name(report)
+    assert {"daemon", "gpu", "cpu", "decode rate", "peer a", "damaged chunks", "hit rate", "store", "pins",
+            f"profile {MODEL}", "clock offset"} <= set(checks), list(checks)
+    no_avx2 = torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    for name, c in checks.items():
+        allowed = {"ok", "warn"} if name in HARDWARE and no_avx2 else {"ok"}
+        assert c["status"] in allowed, c
+    assert rc == doctor.EXIT[report["status"]] and (rc == 0 or no_avx2), report
+    assert checks["peer a"]["figure"].startswith(a.addr) and "Mbit/s" in checks["peer a"]["figure"]
+    assert checks["hit rate"]["figure"].startswith("100%")
+
+
+def test_with_a_peer_stopped_its_check_fails_naming_its_address_and_the_last_error(cluster):
+    a, d = cluster["a"], cluster["d"]
+    assert d.stop() == 0
+    last_error = wait_for(lambda: next((p["last_error"] for p in a.client().peers() if p["address"] == d.addr), None),
+                          timeout=30, what="a to fail dialling d")
+    rc, report = run_doctor(a)
+    peer = by_name(report)["peer d"]
+    assert rc == 2 and report["status"] == "fail"
+    assert peer["status"] == "fail"
+    assert d.addr in peer["figure"] and last_error in peer["figure"], (peer, last_error)
+    assert [c["name"] for c in report["checks"] if c["status"] == "fail"] == ["peer d"]
+
+
+def test_a_corrupt_chunk_fetched_in_the_last_hour_warns_with_the_count(cluster):
+    a, c = cluster["a"], cluster["c"]
+    tokens, keys = stored_on(a, 5000)
+    damage_bitstreams(a, keys[1])
+    events = fetched_by(c, tokens)
+    assert [ev.kind for ev in events] == ["kv", "text", "kv"], [(ev.kind, ev.error) for ev in events]
+    rc, report = run_doctor(c)
+    damaged = by_name(report)["damaged chunks"]
+    assert damaged["status"] == "warn" and damaged["figure"].startswith("1 in the last hour"), damaged
+    assert damaged["advice"]
+    assert rc == 1 and report["status"] == "warn"
