@@ -12,11 +12,14 @@ from codec.errors import CodecError
 from transport import aio
 from transport.bandwidth import CLOCK_TICK, MIN_SAMPLE_BYTES, Probe, crossing_s
 
-from .recent_errors import is_damaged_chunk
+from .recent_errors import RecentErrors, is_damaged_chunk
 
 if TYPE_CHECKING:
-    from .node import Node
+    import torch
+
+    from .coder import Coder
     from .peers import PeerManager
+    from .store import Store
 
 WINDOW_S = 3600  # "in the last hour"
 PROBE_BYTES = Probe().size  # what a sender probes a new link with: large enough to see past a socket buffer
@@ -26,10 +29,12 @@ PROBE_TIMEOUT_S = 5.0
 MAX_PROBE_TIMEOUT_S = 30.0
 
 
-async def report(node: Node, window_s: float = WINDOW_S) -> dict:
-    """The daemon's side of the checklist (field by field in README's "kvstreamd doctor")."""
-    errors, complete = node.metrics.recent_errors.counts(window_s)
-    contexts = await asyncio.to_thread(node.store.contexts)
+async def report(recent: RecentErrors, store: Store, coder: Coder, gpu: torch.device | None, gpu_why: str,
+                 window_s: float = WINDOW_S) -> dict:
+    """The daemon's side of the checklist: its errors, store, codec and the GPU fetches decode
+    on (None: the CPU, because gpu_why)."""
+    errors, complete = recent.counts(window_s)
+    contexts = await asyncio.to_thread(store.contexts)
     models: dict[str, dict] = {}
     for c in contexts:
         m = models.setdefault(c.model_id, {"model_id": c.model_id, "contexts": 0, "chunks": 0, "bytes": 0})
@@ -37,8 +42,7 @@ async def report(node: Node, window_s: float = WINDOW_S) -> dict:
         m["chunks"] += c.chunks
         m["bytes"] += c.nbytes
     for m in models.values():
-        m.update(_profile_of(node, m["model_id"]))
-    coder = node.coder
+        m.update(_profile_of(coder, m["model_id"]))
     built = await asyncio.to_thread(rans.library)  # the first call may compile it
     return {
         "window_s": window_s,
@@ -50,17 +54,17 @@ async def report(node: Node, window_s: float = WINDOW_S) -> dict:
                    "workers": coder.pool.workers, "expected_mbps_per_core": catalog.DECODE_MBPS_PER_CORE,
                    "floor_mbps_per_core": catalog.DECODE_FLOOR_MBPS_PER_CORE,
                    "entropy_coder": "C" if built is not None else "numpy"},
-        "gpu": {"device": str(node.gpu) if node.gpu is not None else None, "why_not": node.gpu_why or None},
+        "gpu": {"device": str(gpu) if gpu is not None else None, "why_not": gpu_why or None},
     }
 
 
-def _profile_of(node: Node, model_id: str) -> dict:
+def _profile_of(coder: Coder, model_id: str) -> dict:
     try:
-        prof = node.coder.profile_for(model_id)
+        prof = coder.profile_for(model_id)
     except CodecError as e:
         return {"profile": None, "profile_error": str(e)}
     return {"profile": {"id": prof.id.hex(), "path": str(prof.path) if prof.path else None,
-                        "configured": prof is node.coder.profile, "layers": prof.layers, "heads": prof.heads,
+                        "configured": prof is coder.profile, "layers": prof.layers, "heads": prof.heads,
                         "head_dim": prof.head_dim}}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,6 +32,7 @@ class Check:
     status: str  # OK, WARN or FAIL
     figure: str  # what was measured or found
     advice: str = ""  # what to do; empty when nothing needs doing
+    data: dict = field(default_factory=dict)  # the figures as numbers, for --json readers
 
     def line(self) -> str:
         return f"{self.status:<4}  {self.name:<20}  {self.figure}" + (f"  -> {self.advice}" if self.advice else "")
@@ -145,15 +146,15 @@ def decode(d: dict) -> Check:
               f"{expected:g} per core, floor {floor:g}; {d['samples']} decodes)")
     if per < floor:
         return Check("decode rate", WARN, figure, "decode is slow on this host: see the cpu line; other work on "
-                     "these cores? [codec] workers above the cores this host has?")
-    return Check("decode rate", OK, figure)
+                     "these cores? [codec] workers above the cores this host has?", d)
+    return Check("decode rate", OK, figure, data=d)
 
 
 def peers(probed: list[dict]) -> list[Check]:
     """Each peer: reachable, its round trip and the bandwidth a bounded probe measured now."""
     if not probed:
         return [Check("peers", OK, "none configured or connected")]
-    return [_peer(p) for p in probed]
+    return [replace(_peer(p), data=p) for p in probed]
 
 
 def _peer(p: dict) -> Check:
@@ -188,12 +189,13 @@ def damaged_chunks(facts: dict) -> Check:
     hours = facts["window_s"] / 3600
     when = f"in the last {'hour' if hours == 1 else f'{hours:g} h'}"
     if not n:
-        return Check("damaged chunks", OK, f"none {when}")
+        return Check("damaged chunks", OK, f"none {when}", data={"count": 0, "window_s": facts["window_s"]})
     floor = "" if facts["errors_complete"] else "at least "
     kinds = ", ".join(f"{k} {v}" for k, v in damaged.items())
     return Check("damaged chunks", WARN, f"{floor}{n} {when} ({kinds}); each came again as text",
                  "the daemon's log names the peer ('does not decode', 'not the chunk asked'): check its disk "
-                 "and memory, and that every host has the same profile files")
+                 "and memory, and that every host has the same profile files",
+                 {"count": n, "by_kind": damaged, "complete": facts["errors_complete"], "window_s": facts["window_s"]})
 
 
 def hit_rate(metrics_text: str) -> Check:
@@ -212,13 +214,18 @@ def hit_rate(metrics_text: str) -> Check:
     figure = (f"{rate:.0%} of {total:.0f} prompt tokens from KV since start "
               f"(local {by_source.get('local', 0):.0f}, peer {by_source.get('peer', 0):.0f}, "
               f"text {by_source.get('text', 0):.0f}, prefill {by_source.get('prefill', 0):.0f})")
+    data = {"rate": round(rate, 4), "tokens": by_source}
     if rate < MIN_HIT_RATE:
         return Check("hit rate", WARN, figure, "most prompt tokens are prefilled: are contexts put before they are "
-                     "reused, and kept (see the store line's evictions)?")
-    return Check("hit rate", OK, figure)
+                     "reused, and kept (see the store line's evictions)?", data)
+    return Check("hit rate", OK, figure, data=data)
 
 
 def store(status: dict) -> Check:
+    return replace(_store(status), data=status["store"])
+
+
+def _store(status: dict) -> Check:
     s = status["store"]
     faults = [f for f in status["health"].get("degraded", []) if f["reason"] in DEGRADED_DISK]
     tiers = [(name, s[f"{name}_bytes"], s[f"{name}_budget"]) for name in ("disk", "memory")]
@@ -239,6 +246,10 @@ def store(status: dict) -> Check:
 
 def pins(s: dict) -> Check:
     """Lasting pins against [store] pin_budget, where the daemon has them (pinned_bytes, pin_budget)."""
+    return replace(_pins(s), data={k: s.get(k) for k in ("pinned_bytes", "pin_budget", "pinned")})
+
+
+def _pins(s: dict) -> Check:
     budget, pinned = s.get("pin_budget"), s.get("pinned_bytes")
     if not budget:
         return Check("pins", OK, f"no pin budget; {s.get('pinned', 0)} chunks pinned for transfers now")
@@ -259,11 +270,11 @@ def profiles(models: list[dict]) -> list[Check]:
         p = m["profile"]
         if p is None:
             out.append(Check(name, FAIL, f"{held}; no profile here: {m.get('profile_error')}",
-                             "set [codec] profile to this model's .kvprofile (kvstreamd profile calibrate makes one)"))
+                             "set [codec] profile to this model's .kvprofile (kvstreamd profile calibrate makes one)", m))
             continue
         source = "configured" if p["configured"] else "shipped"
         out.append(Check(name, OK, f"{held}; {source} profile {p['id'][:16]} "
-                                   f"({p['layers']} layers x {p['heads']} KV heads x {p['head_dim']})"))
+                                   f"({p['layers']} layers x {p['heads']} KV heads x {p['head_dim']})", data=m))
     return out
 
 
@@ -275,11 +286,14 @@ def clocks(probed: list[dict]) -> Check:
         return Check("clock offset", OK, "peers do not report their clock" if told else "no peer connected")
     far = {n: o for n, o in offsets.items() if abs(o) >= MAX_CLOCK_OFFSET_S}
     peer, off = max(offsets.items(), key=lambda kv: abs(kv[1]))
-    figure = f"largest {off * 1000:+.1f} ms ({peer}) over {len(offsets)} peer{'s' * (len(offsets) != 1)}"
+    figure = f"{peer}'s clock {off * 1000:+.1f} ms from this host's, the largest of {len(offsets)} " \
+             f"peer{'s' * (len(offsets) != 1)}"
+    data = {"offset_s": offsets}
     if far:
-        return Check("clock offset", WARN, figure + f"; over {MAX_CLOCK_OFFSET_S:g} s: " + ", ".join(f"{n} {o:+.1f} s" for n, o in far.items()),
-                     "run NTP (chrony, systemd-timesyncd) on every host")
-    return Check("clock offset", OK, figure)
+        return Check("clock offset", WARN, f"{figure}; over {MAX_CLOCK_OFFSET_S:g} s: "
+                     + ", ".join(f"{n} {o:+.1f} s" for n, o in far.items()),
+                     "run NTP (chrony, systemd-timesyncd) on every host", data)
+    return Check("clock offset", OK, figure, data=data)
 
 
 def _size(n: float) -> str:

@@ -470,7 +470,7 @@ class Node:
         return {"status": "ok", "node_id": self.node_id}
 
     async def doctor(self) -> dict:
-        return await diagnosis.report(self)
+        return await diagnosis.report(self.metrics.recent_errors, self.store, self.coder, self.gpu, self.gpu_why)
 
     async def probe_peers(self, size: int, timeout_s: float) -> list[dict]:
         return await diagnosis.probe_peers(self.peers, size, timeout_s)

@@ -14,6 +14,8 @@ import torch
 
 from conftest import synthetic_daemon, synthetic_kv
 from kvstreamd import doctor
+from kvstreamd.client import ClientError
+from kvstreamd.recent_errors import RecentErrors
 from kvstreamd.chunkfile import decode as read_chunk, encode as write_chunk
 from kvstreamd.lab.daemons import wait_for
 
@@ -130,3 +132,84 @@ def test_a_corrupt_chunk_fetched_in_the_last_hour_warns_with_the_count(cluster):
     assert damaged["status"] == "warn" and damaged["figure"].startswith("1 in the last hour"), damaged
     assert damaged["advice"]
     assert rc == 1 and report["status"] == "warn"
+
+
+def test_a_probe_asking_for_more_bytes_than_the_bound_is_refused_naming_the_field(cluster):
+    with pytest.raises(ClientError) as e:
+        cluster["a"].client().probe_peers(nbytes=1 << 30)
+    assert e.value.status == 400 and "'bytes'" in e.value.message
+
+
+def test_a_probe_with_a_timeout_past_its_bound_is_refused_naming_the_field(cluster):
+    with pytest.raises(ClientError) as e:
+        cluster["a"].client().probe_peers(timeout_s=3600)
+    assert e.value.status == 400 and "'timeout_s'" in e.value.message
+
+
+# -- what the checks make of the figures ------------------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_recent_errors_count_only_those_inside_the_window():
+    clock = Clock()
+    errors = RecentErrors(clock=clock)
+    errors.add("decode")
+    clock.now += 3000
+    errors.add("decode", 2)
+    errors.add("chunk_refused_wrong_shape")
+    clock.now += 1000  # the first is now 4000 s old
+    assert errors.counts(3600) == ({"chunk_refused_wrong_shape": 1, "decode": 2}, True)
+
+
+def test_recent_errors_say_when_the_window_reaches_past_what_they_kept():
+    clock = Clock()
+    errors = RecentErrors(keep=3, clock=clock)
+    for _ in range(5):
+        errors.add("decode")
+        clock.now += 1
+    counts, complete = errors.counts(3600)
+    assert counts == {"decode": 3} and not complete
+    clock.now += 3600  # the events pushed out are older than the window now
+    assert errors.counts(10)[1]
+
+
+def test_damaged_chunks_are_counted_as_at_least_when_the_record_overflowed():
+    check = doctor.damaged_chunks({"damaged_chunks": {"decode": 4}, "errors_complete": False, "window_s": 3600})
+    assert check.status == doctor.WARN and check.figure.startswith("at least 4 in the last hour")
+
+
+def test_a_peer_clock_a_few_seconds_off_warns_naming_the_peer():
+    probed = [{"node_id": "a", "connected": True, "error": None, "clock_offset_ms": 0.4},
+              {"node_id": "b", "connected": True, "error": None, "clock_offset_ms": -3200.0}]
+    check = doctor.clocks(probed)
+    assert check.status == doctor.WARN and "b -3.2 s" in check.figure and "NTP" in check.advice
+
+
+def test_a_decode_rate_under_the_floor_per_worker_warns_and_a_numpy_entropy_coder_fails():
+    facts = {"mbps": 120.0, "samples": 9, "workers": 2, "expected_mbps_per_core": 140.0,
+             "floor_mbps_per_core": 80.0, "entropy_coder": "C"}
+    assert doctor.decode(facts).status == doctor.WARN  # 60 MB/s a worker
+    assert doctor.decode({**facts, "mbps": 200.0}).status == doctor.OK
+    assert doctor.decode({**facts, "entropy_coder": "numpy"}).status == doctor.FAIL
+
+
+def test_a_store_that_is_full_and_evicts_warns_and_a_full_disk_fails():
+    store = {"chunks": 10, "disk_bytes": 95, "disk_budget": 100, "memory_bytes": 0, "memory_budget": 0,
+             "evictions": 3, "disk_errors": 0}
+    healthy = {"status": "ok", "degraded": []}
+    assert doctor.store({"store": store, "health": healthy}).status == doctor.WARN
+    assert doctor.store({"store": {**store, "evictions": 0}, "health": healthy}).status == doctor.OK
+    full = {"status": "degraded", "degraded": [{"reason": "disk_full", "message": "No space left on device"}]}
+    assert doctor.store({"store": store, "health": full}).status == doctor.FAIL
+
+
+def test_pins_are_reported_against_the_pin_budget_where_the_daemon_has_one():
+    assert doctor.pins({"pinned": 2}).figure.startswith("no pin budget")
+    assert doctor.pins({"pinned_bytes": 95, "pin_budget": 100}).status == doctor.WARN
+    assert doctor.pins({"pinned_bytes": 10, "pin_budget": 100}).status == doctor.OK

@@ -65,10 +65,13 @@ class PeerConnection(asyncio.Protocol):
                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                  max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
                  nonce_source: Callable[[int], bytes] | None = None,
-                 on_lost: Callable[[PeerConnection], None] | None = None):
+                 on_lost: Callable[[PeerConnection], None] | None = None,
+                 wall_clock: Callable[[], float] = time.time):
         kw = {"nonce_source": nonce_source} if nonce_source else {}
+        # wall_clock: what this side's PONGs report and its own PINGs are stamped against
         self.conn = Connection(role, node_id, secret, max_frame_bytes=max_frame_bytes, caps=caps,
-                               max_buffered_bytes=max_buffered_bytes, wall_clock=time.time, **kw)
+                               max_buffered_bytes=max_buffered_bytes, wall_clock=wall_clock, **kw)
+        self._wall_clock = wall_clock
         self.node_id = node_id
         self.peer_node_id: str | None = None  # known once ready
         self.peer_caps: dict | None = None
@@ -195,7 +198,7 @@ class PeerConnection(asyncio.Protocol):
             t = math.nextafter(t, math.inf)  # tick as another gets a time of its own, just past it
         fut = self._pings[t] = self._loop.create_future()
         if pad is None:  # a padded PING's round trip holds its transfer: no measure of the clocks
-            self._ping_walls[t] = time.time()
+            self._ping_walls[t] = self._wall_clock()
         await self._send(Ping(t, pad))
         return sent, await fut  # (the clock's time, not the PING's: its PONG may come in the same tick)
 
