@@ -255,8 +255,7 @@ class Client:
 
     def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
         """Each connected peer's round trip, bandwidth and clock offset, measured now (bounded)."""
-        body = {k: v for k, v in (("bytes", nbytes), ("timeout_s", timeout_s)) if v is not None}
-        return self._call("POST", "/v1/peers/probe", body)["peers"]
+        return self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s))["peers"]
 
     def doctor(self) -> dict:
         return self._call("GET", "/v1/doctor")
@@ -365,6 +364,10 @@ def _share_with_daemon(name: str) -> None:
         pass
 
 
+def _probe_body(nbytes: int | None, timeout_s: float | None) -> dict:
+    return {k: v for k, v in (("bytes", nbytes), ("timeout_s", timeout_s)) if v is not None}
+
+
 def _fetch_body(model_id, tokens, deadline_ms, dtype, levels=None, recompute_tps=None, device="cpu") -> dict:
     """The POST /v1/fetch body of an events.FetchRequest: its set fields."""
     req = events.FetchRequest(model_id, list(map(int, tokens)), DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype)
@@ -465,6 +468,12 @@ class AsyncClient:
 
     async def peers(self) -> list[dict]:
         return (await self._call("GET", "/v1/peers"))["peers"]
+
+    async def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        return (await self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s)))["peers"]
+
+    async def doctor(self) -> dict:
+        return await self._call("GET", "/v1/doctor")
 
     async def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return await self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
