@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import torch
 from conftest import synthetic_daemon, synthetic_kv
 from kvstreamd import doctor
 from kvstreamd.client import ClientError
+from kvstreamd.metrics import Metrics
 from kvstreamd.recent_errors import RecentErrors
 from kvstreamd.chunkfile import decode as read_chunk, encode as write_chunk
 from kvstreamd.lab.daemons import wait_for
@@ -52,7 +54,11 @@ def cluster(tmp_path_factory, small_profile):
 
 
 def run_doctor(d) -> tuple[int, dict]:
-    out = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "doctor", "--json", "--socket", str(d.socket),
+    return doctor_at(d.socket)
+
+
+def doctor_at(socket) -> tuple[int, dict]:
+    out = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "doctor", "--json", "--socket", str(socket),
                           "--probe-bytes", str(PROBE_BYTES)], capture_output=True, text=True, timeout=120)
     assert out.stdout, out.stderr
     return out.returncode, json.loads(out.stdout)
@@ -106,6 +112,7 @@ def test_doctor_against_a_healthy_cluster_is_all_ok_and_exits_0(cluster):
     assert rc == doctor.EXIT[report["status"]] and (rc == 0 or no_avx2), report
     assert checks["peer a"]["figure"].startswith(a.addr) and "Mbit/s" in checks["peer a"]["figure"]
     assert checks["hit rate"]["figure"].startswith("100%")
+    assert set(checks["clock offset"]["data"]["offset_s"]) == {"a"}  # a's PONG said its clock
 
 
 def test_with_a_peer_stopped_its_check_fails_naming_its_address_and_the_last_error(cluster):
@@ -144,6 +151,26 @@ def test_a_probe_with_a_timeout_past_its_bound_is_refused_naming_the_field(clust
     with pytest.raises(ClientError) as e:
         cluster["a"].client().probe_peers(timeout_s=3600)
     assert e.value.status == 400 and "'timeout_s'" in e.value.message
+
+
+def test_doctor_without_a_daemon_at_the_socket_fails_saying_so_and_exits_2(tmp_path):
+    rc, report = doctor_at(tmp_path / "none.sock")
+    assert rc == 2 and [(c["name"], c["status"]) for c in report["checks"]] == [("daemon", "fail")]
+    assert "none.sock" in report["checks"][0]["figure"]
+
+
+def test_a_host_without_a_gpu_is_ok_saying_decode_runs_on_the_cpu_workers():
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this host has nvidia-smi: the GPU path is test_the_gpu_check_reads_nvidia_smi")
+    check = doctor.gpu({"device": None, "why_not": "no CUDA device"})
+    assert check.status == doctor.OK and "CPU workers" in check.figure
+
+
+def test_the_gpu_check_reads_nvidia_smi():
+    if not shutil.which("nvidia-smi"):
+        pytest.skip("GPU path: no nvidia-smi on this host")
+    check = doctor.gpu({"device": "cuda:0", "why_not": None})
+    assert check.status in (doctor.OK, doctor.WARN) and "% busy" in check.figure, check
 
 
 # -- what the checks make of the figures ------------------------------------------------------
@@ -213,3 +240,19 @@ def test_pins_are_reported_against_the_pin_budget_where_the_daemon_has_one():
     assert doctor.pins({"pinned": 2}).figure.startswith("no pin budget")
     assert doctor.pins({"pinned_bytes": 95, "pin_budget": 100}).status == doctor.WARN
     assert doctor.pins({"pinned_bytes": 10, "pin_budget": 100}).status == doctor.OK
+
+
+def test_the_cpu_check_names_the_vector_instructions_of_this_host():
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    check = doctor.cpu()
+    assert ("AVX2" in check.figure) == (" avx2" in flags)
+    assert torch.backends.cpu.get_cpu_capability() in check.figure
+
+
+def test_a_hit_rate_under_half_of_prompt_tokens_warns():
+    m = Metrics()
+    m.prompt_tokens.labels("local").inc(100)
+    m.prompt_tokens.labels("peer").inc(50)
+    m.prompt_tokens.labels("prefill").inc(450)
+    check = doctor.hit_rate(m.render().decode())
+    assert check.status == doctor.WARN and check.figure.startswith("25% of 600 prompt tokens"), check
