@@ -71,6 +71,8 @@ class Node(Protocol):
     def health(self) -> dict: ...
     def metrics_text(self) -> bytes: ...
     def status(self) -> dict: ...
+    async def doctor(self) -> dict: ...
+    async def probe_peers(self, size: int, timeout_s: float) -> list[dict]: ...
     async def contexts(self) -> list[dict]: ...
     async def delete_context(self, key: bytes) -> int: ...
     def peer_info(self) -> list[dict]: ...
@@ -80,8 +82,6 @@ class Node(Protocol):
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]: ...
     def release_buffer(self, name: str) -> bool: ...
     def record_error(self, kind: str) -> None: ...
-    async def doctor(self) -> dict: ...
-    async def probe_peers(self, size: int, timeout_s: float) -> list[dict]: ...
 
 
 NODE = web.AppKey("node", Node)
@@ -241,6 +241,18 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Prometheus-Format": "0.0.4"})
 
 
+async def probe_peers(request: web.Request) -> web.Response:
+    body = await _body(request) if request.can_read_body else {}
+    size = _number(body, "bytes", int, MIN_PROBE_BYTES, MAX_PROBE_BYTES)
+    timeout_s = _number(body, "timeout_s", (int, float), 0.1, MAX_PROBE_TIMEOUT_S)
+    peers = await request.app[NODE].probe_peers(size or PROBE_BYTES, timeout_s or PROBE_TIMEOUT_S)
+    return web.json_response({"peers": peers})
+
+
+async def doctor(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[NODE].doctor())
+
+
 async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[NODE].status())
 
@@ -259,18 +271,6 @@ async def delete_context(request: web.Request) -> web.Response:
 
 async def peers(request: web.Request) -> web.Response:
     return web.json_response({"peers": request.app[NODE].peer_info()})
-
-
-async def probe_peers(request: web.Request) -> web.Response:
-    body = await _body(request) if request.can_read_body else {}
-    size = _number(body, "bytes", int, MIN_PROBE_BYTES, MAX_PROBE_BYTES)
-    timeout_s = _number(body, "timeout_s", (int, float), 0.1, MAX_PROBE_TIMEOUT_S)
-    peers = await request.app[NODE].probe_peers(size or PROBE_BYTES, timeout_s or PROBE_TIMEOUT_S)
-    return web.json_response({"peers": peers})
-
-
-async def doctor(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[NODE].doctor())
 
 
 async def lookup(request: web.Request) -> web.Response:
@@ -322,12 +322,12 @@ def make_app(node: Node) -> web.Application:
     app[NODE] = node
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/peers/probe", probe_peers)
+    app.router.add_get("/v1/doctor", doctor)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/contexts", contexts)
     app.router.add_delete("/v1/contexts/{key}", delete_context)
     app.router.add_get("/v1/peers", peers)
-    app.router.add_post("/v1/peers/probe", probe_peers)
-    app.router.add_get("/v1/doctor", doctor)
     app.router.add_post("/v1/lookup", lookup)
     app.router.add_post("/v1/contexts", put)
     app.router.add_post("/v1/fetch", fetch)

@@ -244,6 +244,13 @@ class Client:
     def metrics(self) -> str:
         return self._call("GET", "/metrics")
 
+    def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        """Each connected peer's round trip, bandwidth and clock offset, measured now (bounded)."""
+        return self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s))["peers"]
+
+    def doctor(self) -> dict:
+        return self._call("GET", "/v1/doctor")
+
     def contexts(self) -> list[dict]:
         return self._call("GET", "/v1/contexts")["contexts"]
 
@@ -252,13 +259,6 @@ class Client:
 
     def peers(self) -> list[dict]:
         return self._call("GET", "/v1/peers")["peers"]
-
-    def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
-        """Each connected peer's round trip, bandwidth and clock offset, measured now (bounded)."""
-        return self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s))["peers"]
-
-    def doctor(self) -> dict:
-        return self._call("GET", "/v1/doctor")
 
     def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
@@ -460,6 +460,12 @@ class AsyncClient:
     async def metrics(self) -> str:
         return await self._call("GET", "/metrics")
 
+    async def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        return (await self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s)))["peers"]
+
+    async def doctor(self) -> dict:
+        return await self._call("GET", "/v1/doctor")
+
     async def contexts(self) -> list[dict]:
         return (await self._call("GET", "/v1/contexts"))["contexts"]
 
@@ -468,12 +474,6 @@ class AsyncClient:
 
     async def peers(self) -> list[dict]:
         return (await self._call("GET", "/v1/peers"))["peers"]
-
-    async def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
-        return (await self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s)))["peers"]
-
-    async def doctor(self) -> dict:
-        return await self._call("GET", "/v1/doctor")
 
     async def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return await self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})

@@ -441,6 +441,12 @@ class Node:
             raise RequestError(404, "not_found", f"no context ends at chunk {key.hex()}")
         return await asyncio.to_thread(self.store.delete_context, key)
 
+    async def doctor(self) -> dict:
+        return await diagnosis.report(self.metrics.recent_errors, self.store, self.coder, self.gpu, self.gpu_why)
+
+    async def probe_peers(self, size: int, timeout_s: float) -> list[dict]:
+        return await diagnosis.probe_peers(self.peers, size, timeout_s)
+
     def peer_info(self) -> list[dict]:
         return self.peers.info()
 
@@ -468,12 +474,6 @@ class Node:
         if faults:
             return {"status": "degraded", "node_id": self.node_id, "degraded": faults}
         return {"status": "ok", "node_id": self.node_id}
-
-    async def doctor(self) -> dict:
-        return await diagnosis.report(self.metrics.recent_errors, self.store, self.coder, self.gpu, self.gpu_why)
-
-    async def probe_peers(self, size: int, timeout_s: float) -> list[dict]:
-        return await diagnosis.probe_peers(self.peers, size, timeout_s)
 
     def record_error(self, kind: str) -> None:
         self.metrics.error(kind)
