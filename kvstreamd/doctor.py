@@ -172,7 +172,7 @@ def _peer(p: dict) -> Check:
     if p["error"]:
         return Check(name, FAIL, f"{where} connected, but the probe failed: {p['error']}",
                      "the link or the peer is stalled: check its load and the network")
-    figure = f"{where} rtt {p['rtt_ms']:g} ms, {p['mbit']:g} Mbit/s (probe)"
+    figure = f"{where} rtt {p['rtt_ms']:g} ms, {p['mbit']:g} Mbit/s from here (probe)"
     if p["cooldown_s"]:
         return Check(name, WARN, f"{figure}; avoided for {p['cooldown_s']:g} s more after stalling a fetch",
                      "see the daemon's log for 'stalled'")
@@ -183,7 +183,8 @@ def _peer(p: dict) -> Check:
 
 
 def damaged_chunks(facts: dict) -> Check:
-    """Chunks peers sent that failed the crc, admission or decode, in the last hour."""
+    """Chunks that failed the wire crc, admission or decode in the last hour: a peer's (or,
+    rarely, a local one that does not decode)."""
     damaged = facts["damaged_chunks"]
     n = sum(damaged.values())
     hours = facts["window_s"] / 3600

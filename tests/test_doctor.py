@@ -4,22 +4,28 @@ profile, for speed), run as the operator runs it: a subprocess with --json, its 
 without AVX2 the cpu check warns for a real reason, and only those two may then differ from ok."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
 
+import codec
 from conftest import synthetic_daemon, synthetic_kv
 from kvstreamd import doctor
-from kvstreamd.client import ClientError
+from kvstreamd.client import AsyncClient, ClientError
+from kvstreamd.keys import chunk_keys
 from kvstreamd.metrics import Metrics
 from kvstreamd.recent_errors import RecentErrors
 from kvstreamd.chunkfile import decode as read_chunk, encode as write_chunk
 from kvstreamd.lab.daemons import wait_for
+from transport import aio
+from transport.messages import Advertise
 
 MODEL = "synthetic-test-model"
 TOKENS = 600  # three 256-token chunks, the last partial
@@ -139,6 +145,33 @@ def test_a_corrupt_chunk_fetched_in_the_last_hour_warns_with_the_count(cluster):
     assert damaged["status"] == "warn" and damaged["figure"].startswith("1 in the last hour"), damaged
     assert damaged["advice"]
     assert rc == 1 and report["status"] == "warn"
+
+
+async def test_a_chunk_whose_crc_fails_on_the_wire_counts_as_a_damaged_chunk(cluster, small_profile):
+    """A peer made from the transport alone (the cluster secret) sends a's fetch a CHUNK whose
+    crc does not match: a's connection to it closes (bad_crc), and a counts a damaged chunk."""
+    a = cluster["a"]
+    tokens, kv = list(range(9000, 9000 + TOKENS)), synthetic_kv(TOKENS, seed=9).half()
+    payload = codec.encode(kv[:, :, :256].contiguous(), "balanced", small_profile, start=0)
+
+    async def script(stream, fetch) -> None:
+        await stream.send_chunk(0, "balanced", payload, crc=zlib.crc32(payload) ^ 1)
+        await asyncio.Event().wait()  # until the connection goes
+
+    liar = await aio.connect("127.0.0.1", a.port, "liar", a.secret.encode(), handler=script)
+    try:
+        await liar.send(Advertise(chunk_keys(MODEL, tokens, 256)))
+        async with AsyncClient(a.socket, timeout=60) as c:
+            for _ in range(200):
+                if (await c.lookup(MODEL, tokens))["peers"].get("liar") == TOKENS:
+                    break
+                await asyncio.sleep(0.05)
+            async with await c.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+                assert [ev.kind async for ev in f] == ["text"] * 3
+            facts = await c.doctor()
+    finally:
+        liar.close()
+    assert facts["damaged_chunks"].get("chunk_bad_crc") == 1, facts["errors"]
 
 
 def test_a_probe_asking_for_more_bytes_than_the_bound_is_refused_naming_the_field(cluster):
