@@ -108,8 +108,8 @@ def gpu(daemon_gpu: dict, nvidia_smi: str = "nvidia-smi") -> Check:
 
 
 def cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> Check:
-    """The vector instructions the CPU has, and those torch (the inverse transforms of every
-    decode) dispatches to: without AVX2 (x86) a decode runs several times slower."""
+    """The vector instructions the CPU has, and what torch (every decode's inverse transforms)
+    dispatches to: without AVX2 (x86) it runs its scalar kernels."""
     import torch
 
     used = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
