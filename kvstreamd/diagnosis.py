@@ -5,6 +5,8 @@ with the profile it codes with; this host's measured decode rate and entropy cod
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from typing import TYPE_CHECKING
 
 from codec import catalog, rans
@@ -27,6 +29,11 @@ MIN_PROBE_BYTES = MIN_SAMPLE_BYTES  # smaller measures latency, not bandwidth
 MAX_PROBE_BYTES = 16 * 2**20  # per peer: a diagnosis must not be a load test
 PROBE_TIMEOUT_S = 5.0
 MAX_PROBE_TIMEOUT_S = 30.0
+# A daemon that has timed no decode yet measures one now, on a stored chunk: at most this many
+# decodes of it, stopping once this many seconds have gone (a diagnosis, not a benchmark).
+MEASURE_DECODES = 3
+MEASURE_S = 2.0
+MEASURABLE_MB = 1.0  # Coder.observe times decodes of more than this (smaller: mostly overhead)
 
 
 async def report(recent: RecentErrors, store: Store, coder: Coder, gpu: torch.device | None, gpu_why: str,
@@ -44,6 +51,7 @@ async def report(recent: RecentErrors, store: Store, coder: Coder, gpu: torch.de
     for m in models.values():
         m.update(_profile_of(coder, m["model_id"]))
     built = await asyncio.to_thread(rans.library)  # the first call may compile it
+    measured_now = await _measure_decode(store, coder) if not coder.decode_samples else None
     return {
         "window_s": window_s,
         "errors": errors,
@@ -53,9 +61,38 @@ async def report(recent: RecentErrors, store: Store, coder: Coder, gpu: torch.de
         "decode": {"mbps": round(coder.decode_mbps, 1), "samples": coder.decode_samples,
                    "workers": coder.pool.workers, "expected_mbps_per_core": catalog.DECODE_MBPS_PER_CORE,
                    "floor_mbps_per_core": catalog.DECODE_FLOOR_MBPS_PER_CORE,
-                   "entropy_coder": "C" if built is not None else "numpy"},
+                   "entropy_coder": "C" if built is not None else "numpy", "measured_now": measured_now},
         "gpu": {"device": str(gpu) if gpu is not None else None, "why_not": gpu_why or None},
     }
+
+
+async def _measure_decode(store: Store, coder: Coder) -> str | None:
+    """Decode the newest stored chunk of over MEASURABLE_MB (the last chunk of a context, else
+    the one before it: a last chunk may be short) at one of its entropy-coded levels through
+    the codec workers, so that the rate is this host's on real chunks. Returns which chunk it
+    timed, or None where none is big enough (or it does not decode)."""
+    for ctx in reversed(await asyncio.to_thread(store.contexts)):
+        key = ctx.key
+        for _ in range(2):
+            rec = await asyncio.to_thread(store.get, key)
+            if rec is None:
+                break
+            level = next((lv for lv in rec.levels if lv in catalog.SCHEMES and catalog.SCHEMES[lv].kind == "level"),
+                         None)
+            if level is not None and math.prod(rec.shape) * 2 / 1e6 > MEASURABLE_MB:
+                t0 = time.monotonic()
+                try:
+                    for _ in range(MEASURE_DECODES):
+                        await asyncio.to_thread(coder.decode, level, rec.levels[level])  # observed as it goes
+                        if time.monotonic() - t0 > MEASURE_S:
+                            break
+                except CodecError:
+                    return None
+                return f"chunk {rec.index} of a {rec.model_id} context, {level}"
+            if rec.parent is None:
+                break
+            key = rec.parent
+    return None
 
 
 def _profile_of(coder: Coder, model_id: str) -> dict:

@@ -139,11 +139,12 @@ def decode(d: dict) -> Check:
         return Check("decode rate", FAIL, "the entropy coder runs in NumPy (its C library did not build): "
                      "~100x slower", "install gcc (make install does) and restart the daemon")
     if not d["samples"]:
-        return Check("decode rate", OK, f"not measured yet: no chunk over 1 MB decoded since start "
+        return Check("decode rate", OK, f"not measured yet: no chunk over 1 MB decoded since start or stored "
                      f"(expected {expected:g} MB/s per core)")
     per = mbps / max(workers, 1)
+    how = f"measured now on {d['measured_now']}" if d.get("measured_now") else f"{d['samples']} decodes"
     figure = (f"{mbps:g} MB/s with {workers} worker{'s' * (workers != 1)} ({per:.0f} per worker; expected "
-              f"{expected:g} per core, floor {floor:g}; {d['samples']} decodes)")
+              f"{expected:g} per core, floor {floor:g}; {how})")
     if per < floor:
         return Check("decode rate", WARN, figure, "decode is slow on this host: see the cpu line; other work on "
                      "these cores? [codec] workers above the cores this host has?", d)

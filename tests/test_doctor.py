@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import codec
+from codec import profile as profiles
 from conftest import synthetic_daemon, synthetic_kv
 from kvstreamd import doctor
 from kvstreamd.client import AsyncClient, ClientError
+from kvstreamd.coder import PRIOR_MBPS_PER_WORKER
 from kvstreamd.keys import chunk_keys
 from kvstreamd.metrics import Metrics
 from kvstreamd.recent_errors import RecentErrors
@@ -38,14 +40,14 @@ def cluster(tmp_path_factory, small_profile):
     """Four daemons, started once (a daemon takes seconds to start), each test using its own
     so that none sees another's doing: a holds (memory_budget 0: every chunk it serves is read
     from its file) and is peered with all; b, c and d are each peered with a alone. b fetches
-    the healthy context, c the damaged one, and d is the peer that gets stopped."""
+    the healthy context, c the damaged one, and d is the peer that gets stopped; e stands alone."""
     root = tmp_path_factory.mktemp("doctor")
     a = synthetic_daemon(root, "a", small_profile, store={"memory_budget": 0})
     others = {n: synthetic_daemon(root, n, small_profile) for n in ("b", "c", "d")}
     a.peers = [d.addr for d in others.values()]
     for d in others.values():
         d.peers = [a.addr]
-    nodes = {"a": a, **others}
+    nodes = {"a": a, **others, "e": synthetic_daemon(root, "e", small_profile)}
     try:
         for d in nodes.values():
             d.start(wait=0)
@@ -172,6 +174,20 @@ async def test_a_chunk_whose_crc_fails_on_the_wire_counts_as_a_damaged_chunk(clu
     finally:
         liar.close()
     assert facts["damaged_chunks"].get("chunk_bad_crc") == 1, facts["errors"]
+
+
+def test_a_daemon_that_timed_no_decode_measures_one_now_on_a_stored_chunk(cluster):
+    """A chunk in SmolLM2-135M's shape (its shipped profile; 5.9 MB of fp16 for 256 tokens),
+    big enough for a decode to be timed, unlike the small synthetic model's."""
+    e = cluster["e"]
+    shipped = profiles.Profile.load(profiles.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile")
+    kv = synthetic_kv(256, seed=20, layers=shipped.layers, heads=shipped.heads, head_dim=shipped.head_dim).half()
+    e.client().put(shipped.model_id, list(range(256)), kv)
+    prior = round(PRIOR_MBPS_PER_WORKER * 0.8, 1)  # kvstreamd/coder.py's, for one worker
+    assert e.client().status()["decode_mbps"] == prior  # nothing decoded yet
+    decode = e.client().doctor()["decode"]
+    assert decode["samples"] >= 1 and decode["mbps"] != prior, decode
+    assert decode["measured_now"].startswith(f"chunk 0 of a {shipped.model_id} context"), decode
 
 
 def test_a_probe_asking_for_more_bytes_than_the_bound_is_refused_naming_the_field(cluster):
