@@ -22,6 +22,8 @@ log = logging.getLogger("kvstreamd.coder")
 # What one core decodes at the entropy-coded levels (codec.catalog): a prior for the first
 # FETCH, replaced by what this host measures.
 PRIOR_MBPS_PER_WORKER = catalog.DECODE_MBPS_PER_CORE
+# A decode of less fp16 than this (MB) is mostly hand-over overhead: not timed into the rate.
+MIN_TIMED_MB = 1.0
 # A GPU decodes tens of GB/s (scripts/gpu_check.sh); per chunk, launch and upload costs bound it.
 PRIOR_GPU_MBPS = 2000.0
 
@@ -100,7 +102,7 @@ class Coder:
 
     def observe(self, mb: float, seconds: float, gpu: bool = False) -> None:
         """One decode's size and time, into the moving average senders are told."""
-        if seconds <= 0 or mb <= 1:
+        if seconds <= 0 or mb <= MIN_TIMED_MB:
             return
         with self._lock:
             if gpu:

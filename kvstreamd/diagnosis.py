@@ -14,6 +14,7 @@ from codec.errors import CodecError
 from transport import aio
 from transport.bandwidth import CLOCK_TICK, MIN_SAMPLE_BYTES, Probe, crossing_s
 
+from .coder import MIN_TIMED_MB
 from .recent_errors import RecentErrors, is_damaged_chunk
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ MAX_PROBE_TIMEOUT_S = 30.0
 # decodes of it, stopping once this many seconds have gone (a diagnosis, not a benchmark).
 MEASURE_DECODES = 3
 MEASURE_S = 2.0
-MEASURABLE_MB = 1.0  # Coder.observe times decodes of more than this (smaller: mostly overhead)
+MEASURE_CONTEXTS = 8  # the newest contexts looked in for a chunk Coder times (each costs a read or two)
 
 
 async def report(recent: RecentErrors, store: Store, coder: Coder, gpu: torch.device | None, gpu_why: str,
@@ -67,11 +68,11 @@ async def report(recent: RecentErrors, store: Store, coder: Coder, gpu: torch.de
 
 
 async def _measure_decode(store: Store, coder: Coder) -> str | None:
-    """Decode the newest stored chunk of over MEASURABLE_MB (the last chunk of a context, else
-    the one before it: a last chunk may be short) at one of its entropy-coded levels through
+    """Decode the newest stored chunk of over MIN_TIMED_MB (the last chunk of one of the
+    MEASURE_CONTEXTS newest contexts, else the one before it: a last chunk may be short) at one of its entropy-coded levels through
     the codec workers, so that the rate is this host's on real chunks. Returns which chunk it
     timed, or None where none is big enough (or it does not decode)."""
-    for ctx in reversed(await asyncio.to_thread(store.contexts)):
+    for ctx in (await asyncio.to_thread(store.contexts))[::-1][:MEASURE_CONTEXTS]:
         key = ctx.key
         for _ in range(2):
             rec = await asyncio.to_thread(store.get, key)
@@ -79,7 +80,7 @@ async def _measure_decode(store: Store, coder: Coder) -> str | None:
                 break
             level = next((lv for lv in rec.levels if lv in catalog.SCHEMES and catalog.SCHEMES[lv].kind == "level"),
                          None)
-            if level is not None and math.prod(rec.shape) * 2 / 1e6 > MEASURABLE_MB:
+            if level is not None and math.prod(rec.shape) * 2 / 1e6 > MIN_TIMED_MB:
                 t0 = time.monotonic()
                 try:
                     for _ in range(MEASURE_DECODES):
