@@ -46,9 +46,9 @@ from aiohttp import web
 from codec import catalog
 
 from . import events
+from .diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
 from .events import FetchRequest
 from .metrics import new_request_id
-from .diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
 from .node import RequestError
 from .shm import DTYPES
 
