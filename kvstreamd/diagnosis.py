@@ -52,7 +52,7 @@ async def report(recent: RecentErrors, store: Store, coder: Coder, gpu: torch.de
     for m in models.values():
         m.update(_profile_of(coder, m["model_id"]))
     built = await asyncio.to_thread(rans.library)  # the first call may compile it
-    measured_now = await _measure_decode(store, coder) if not coder.decode_samples else None
+    measured_now = await _measure_decode(store, coder, contexts) if not coder.decode_samples else None
     return {
         "window_s": window_s,
         "errors": errors,
@@ -67,12 +67,12 @@ async def report(recent: RecentErrors, store: Store, coder: Coder, gpu: torch.de
     }
 
 
-async def _measure_decode(store: Store, coder: Coder) -> str | None:
+async def _measure_decode(store: Store, coder: Coder, contexts: list) -> str | None:
     """Decode the newest stored chunk of over MIN_TIMED_MB (the last chunk of one of the
     MEASURE_CONTEXTS newest contexts, else the one before it: a last chunk may be short) at one of its entropy-coded levels through
     the codec workers, so that the rate is this host's on real chunks. Returns which chunk it
     timed, or None where none is big enough (or it does not decode)."""
-    for ctx in (await asyncio.to_thread(store.contexts))[::-1][:MEASURE_CONTEXTS]:
+    for ctx in contexts[::-1][:MEASURE_CONTEXTS]:  # (oldest first)
         key = ctx.key
         for _ in range(2):
             rec = await asyncio.to_thread(store.get, key)
