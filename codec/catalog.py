@@ -47,6 +47,15 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
 )}
 
 
+# What one core decodes at the entropy-coded levels, MB/s of fp16 output: the reference
+# machine's figure for the shipped profiles (docs/benchmarks.md, `kvstreamd bench codec`:
+# 148-186 on SmolLM2-135M, rounded down), and the floor those benchmarks hold. A daemon starts
+# from the first (kvstreamd/coder.py) until it has measured its own host; `kvstreamd doctor`
+# judges that measurement against both.
+DECODE_MBPS_PER_CORE = 140.0
+DECODE_FLOOR_MBPS_PER_CORE = 80.0
+
+
 def names() -> list[str]:
     return list(SCHEMES)
 

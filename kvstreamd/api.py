@@ -10,6 +10,11 @@
     GET    /v1/contexts              contexts held (one per stored chain)
     DELETE /v1/contexts/{key}        delete a context by its last chunk key (hex)
     GET    /v1/peers                 configured and connected peers
+    POST   /v1/peers/probe           {bytes?, timeout_s?} -> {"peers": [...]}: each connected peer
+                                     probed at once (round trip, bandwidth with `bytes` of padding,
+                                     clock offset), within timeout_s (kvstreamd/diagnosis.py)
+    GET    /v1/doctor                what `kvstreamd doctor` needs besides: errors in the last hour,
+                                     damaged chunks, stored models' profiles, decode rate
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer
     POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype, start?}; KV is
                                      read from the shared-memory segment `buffer` the client made
@@ -49,6 +54,7 @@ from aiohttp import web
 from codec import catalog
 
 from . import events
+from .diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
 from .events import FetchRequest
 from .metrics import new_request_id
 from .node import RequestError
@@ -73,6 +79,8 @@ class Node(Protocol):
     def health(self) -> dict: ...
     def metrics_text(self) -> bytes: ...
     def status(self) -> dict: ...
+    async def doctor(self) -> dict: ...
+    async def probe_peers(self, size: int, timeout_s: float) -> list[dict]: ...
     async def contexts(self) -> list[dict]: ...
     async def delete_context(self, key: bytes) -> int: ...
     def peer_info(self) -> list[dict]: ...
@@ -172,7 +180,7 @@ def _number(body: dict, name: str, kind: type | tuple, lo: float, hi: float) -> 
     """An optional number field within lo..hi (and finite)."""
     v = _field(body, name, kind, None)
     if v is not None and not lo <= v <= hi:  # NaN fails too
-        raise _bad(f"field {name!r} must be {lo:d}..{hi:d}, got {_shown(v)}")
+        raise _bad(f"field {name!r} must be {lo}..{hi}, got {_shown(v)}")
     return v
 
 
@@ -243,6 +251,18 @@ async def healthz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[NODE].metrics_text(), content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
+
+
+async def probe_peers(request: web.Request) -> web.Response:
+    body = await _body(request) if request.can_read_body else {}
+    size = _number(body, "bytes", int, MIN_PROBE_BYTES, MAX_PROBE_BYTES)
+    timeout_s = _number(body, "timeout_s", (int, float), 0.1, MAX_PROBE_TIMEOUT_S)
+    peers = await request.app[NODE].probe_peers(size or PROBE_BYTES, timeout_s or PROBE_TIMEOUT_S)
+    return web.json_response({"peers": peers})
+
+
+async def doctor(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[NODE].doctor())
 
 
 async def status(request: web.Request) -> web.Response:
@@ -338,6 +358,8 @@ def make_app(node: Node) -> web.Application:
     app[NODE] = node
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/peers/probe", probe_peers)
+    app.router.add_get("/v1/doctor", doctor)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/contexts", contexts)
     app.router.add_delete("/v1/contexts/{key}", delete_context)

@@ -191,6 +191,18 @@ def _guard(fn):
     return wrapped
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """The checklist for slow first tokens; exit 0 / 1 / 2 for ok / warn / fail."""
+    from . import doctor
+    checks = doctor.run(_client(args), args.probe_bytes, args.probe_timeout)
+    if args.json:
+        _print(doctor.to_json(checks))
+    else:
+        for c in checks:
+            print(c.line())
+    return doctor.EXIT[doctor.worst(checks)]
+
+
 @_guard
 def _status(args: argparse.Namespace) -> int:
     _print(_client(args).status())
@@ -323,6 +335,11 @@ def parser() -> argparse.ArgumentParser:
         return sp
 
     talker("status", "a running daemon's status", _status)
+    dr = talker("doctor", "check a running daemon and its host for what slows first tokens (exit 0/1/2: "
+                          "ok/warn/fail)", _doctor)
+    dr.add_argument("--json", action="store_true")
+    dr.add_argument("--probe-bytes", type=int, default=None, help="padding per peer probe (default 512 KiB)")
+    dr.add_argument("--probe-timeout", type=float, default=None, help="seconds per peer probe (default 5)")
     talker("contexts", "contexts a running daemon holds", _contexts).add_argument("--json", action="store_true")
     talker("peers", "a running daemon's peers", _peers)
     ab = sub.add_parser("ab", help="A/B experiments on the level policy ([policy] experiment)")

@@ -244,6 +244,13 @@ class Client:
     def metrics(self) -> str:
         return self._call("GET", "/metrics")
 
+    def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        """Each connected peer's round trip, bandwidth and clock offset, measured now (bounded)."""
+        return self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s))["peers"]
+
+    def doctor(self) -> dict:
+        return self._call("GET", "/v1/doctor")
+
     def contexts(self) -> list[dict]:
         return self._call("GET", "/v1/contexts")["contexts"]
 
@@ -374,6 +381,10 @@ def _share_with_daemon(name: str) -> None:
         pass
 
 
+def _probe_body(nbytes: int | None, timeout_s: float | None) -> dict:
+    return {k: v for k, v in (("bytes", nbytes), ("timeout_s", timeout_s)) if v is not None}
+
+
 def _fetch_body(model_id, tokens, deadline_ms, dtype, levels=None, recompute_tps=None, device="cpu") -> dict:
     """The POST /v1/fetch body of an events.FetchRequest: its set fields."""
     req = events.FetchRequest(model_id, list(map(int, tokens)), DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype)
@@ -465,6 +476,12 @@ class AsyncClient:
 
     async def metrics(self) -> str:
         return await self._call("GET", "/metrics")
+
+    async def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        return (await self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s)))["peers"]
+
+    async def doctor(self) -> dict:
+        return await self._call("GET", "/v1/doctor")
 
     async def contexts(self) -> list[dict]:
         return (await self._call("GET", "/v1/contexts"))["contexts"]

@@ -19,9 +19,11 @@ from codec.profile import Profile
 
 log = logging.getLogger("kvstreamd.coder")
 
-# One core decodes ~140-160 MB/s of fp16 at the entropy-coded levels (docs/benchmarks.md); a
-# prior for the first FETCH, replaced by what this host measures.
-PRIOR_MBPS_PER_WORKER = 140.0
+# What one core decodes at the entropy-coded levels (codec.catalog): a prior for the first
+# FETCH, replaced by what this host measures.
+PRIOR_MBPS_PER_WORKER = catalog.DECODE_MBPS_PER_CORE
+# A decode of less fp16 than this (MB) is mostly hand-over overhead: not timed into the rate.
+MIN_TIMED_MB = 1.0
 # A GPU decodes tens of GB/s (scripts/gpu_check.sh); per chunk, launch and upload costs bound it.
 PRIOR_GPU_MBPS = 2000.0
 
@@ -89,13 +91,18 @@ class Coder:
         """MB/s of fp16 KV this host decodes at the entropy-coded levels (moving average)."""
         return self._mbps
 
+    @property
+    def decode_samples(self) -> int:
+        """CPU decodes (of over 1 MB each) decode_mbps has measured; 0: it is still the prior."""
+        return self._samples
+
     def rate(self, gpu: bool = False) -> float:
         """decode_mbps, or the GPU's when a fetch decodes there."""
         return self._gpu_mbps if gpu else self._mbps
 
     def observe(self, mb: float, seconds: float, gpu: bool = False) -> None:
         """One decode's size and time, into the moving average senders are told."""
-        if seconds <= 0 or mb <= 1:
+        if seconds <= 0 or mb <= MIN_TIMED_MB:
             return
         with self._lock:
             if gpu:

@@ -11,6 +11,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .recent_errors import RecentErrors
+
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
@@ -56,6 +58,7 @@ class Metrics:
         self.chunks = Counter("kvstreamd_chunks", "Chunks moved, by level and direction (sent, received, local)",
                               ["level", "direction"], registry=r)
         self.errors = Counter("kvstreamd_errors", "Errors by kind", ["kind"], registry=r)
+        self.recent_errors = RecentErrors()  # the same, with when: what the last hour held (doctor)
         self.store_bytes = Gauge("kvstreamd_store_bytes", "Store usage by tier", ["tier"], registry=r)
         self.store_budget = Gauge("kvstreamd_store_budget_bytes", "Store budget by tier", ["tier"], registry=r)
         self.store_chunks = Gauge("kvstreamd_store_chunks", "Chunks held (any tier)", registry=r)
@@ -117,8 +120,9 @@ class Metrics:
         for address, connected in up.items():
             self.peer_up.labels(address).set(1 if connected else 0)
 
-    def error(self, kind: str) -> None:
-        self.errors.labels(kind).inc()
+    def error(self, kind: str, n: int = 1) -> None:
+        self.errors.labels(kind).inc(n)
+        self.recent_errors.add(kind, n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

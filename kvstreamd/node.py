@@ -18,7 +18,7 @@ from codec.errors import CodecError
 from codec.parallel import WorkerLost
 from codec.profile import Profile
 
-from . import __version__, events, health
+from . import __version__, diagnosis, events, health
 from .buffers import FetchBuffer, HostBuffer
 from .config import Config
 from .coder import Coder
@@ -502,6 +502,12 @@ class Node:
         if not self.store.has(key):
             raise RequestError(404, "not_found", f"no context ends at chunk {key.hex()}")
         return await asyncio.to_thread(self.store.delete_context, key)
+
+    async def doctor(self) -> dict:
+        return await diagnosis.report(self.metrics.recent_errors, self.store, self.coder, self.gpu, self.gpu_why)
+
+    async def probe_peers(self, size: int, timeout_s: float) -> list[dict]:
+        return await diagnosis.probe_peers(self.peers, size, timeout_s)
 
     def peer_info(self) -> list[dict]:
         return self.peers.info()

@@ -306,7 +306,7 @@ class PeerManager:
                     if refused:
                         # what one peer makes this node hold is bounded; past it, its keys are
                         # not kept (it is then not asked for those chunks), said once per connection
-                        self.metrics.errors.labels("peer_keys_over_cap").inc(refused)
+                        self.metrics.error("peer_keys_over_cap", refused)
                         if not over_cap:
                             log.warning("peer %s: advertises more than [peer] max_keys_per_peer = %d keys; "
                                         "%d refused, and its keys past the cap are refused from now on",

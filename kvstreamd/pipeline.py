@@ -25,7 +25,7 @@ from codec import catalog, select_layers
 from codec.errors import CodecError
 from codec.layout import PrefixKV
 from transport import aio
-from transport.messages import NOT_FOUND
+from transport.messages import BAD_CRC, NOT_FOUND
 from transport.policy import TEXT
 
 from . import events
@@ -416,7 +416,8 @@ class FetchJob:
             why = f"peer {peer} failed at chunk {at()}: {e.code}: {e.msg}"
             log.warning("%s; the rest comes from another peer or as text", why)
             self.result.errors.append(why)
-            self.metrics.error("peer_fetch_failed")
+            # a chunk damaged on the wire closes the connection (bad_crc): a damaged chunk, counted so
+            self.metrics.error("chunk_bad_crc" if e.code == BAD_CRC else "peer_fetch_failed")
             return False
         finally:
             await stream.cancel()  # a no-op once it ended; else the peer stops too

@@ -3,7 +3,7 @@ asyncio adapter that feeds protocol.Connection bytes and loop time, writes what 
 turns its events into a handler task per FETCH served (`ServedFetch`, the sender side) and an
 async iterator per fetch (`FetchCall`, the fetcher side). Every request rule, how a request
 ends and buffer accounting are the Connection's; this module only moves bytes and wakes
-tasks. TLS is an option of serve() and connect(). The file is long (~520 lines) because
+tasks. TLS is an option of serve() and connect(). The file is long (~540 lines) because
 PeerConnection is the one place where the Connection's events meet asyncio's callbacks;
 split, each half would need the other's state."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import inspect
 import logging
 import math
 import ssl as _ssl
+import time
 from typing import Any, Awaitable, Callable, Coroutine
 
 from . import frames, tls as _tls
@@ -64,10 +65,13 @@ class PeerConnection(asyncio.Protocol):
                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                  max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
                  nonce_source: Callable[[int], bytes] | None = None,
-                 on_lost: Callable[[PeerConnection], None] | None = None):
+                 on_lost: Callable[[PeerConnection], None] | None = None,
+                 wall_clock: Callable[[], float] = time.time):
         kw = {"nonce_source": nonce_source} if nonce_source else {}
+        # wall_clock: what this side's PONGs report and its own PINGs are stamped against
         self.conn = Connection(role, node_id, secret, max_frame_bytes=max_frame_bytes, caps=caps,
-                               max_buffered_bytes=max_buffered_bytes, **kw)
+                               max_buffered_bytes=max_buffered_bytes, wall_clock=wall_clock, **kw)
+        self._wall_clock = wall_clock
         self.node_id = node_id
         self.peer_node_id: str | None = None  # known once ready
         self.peer_caps: dict | None = None
@@ -89,6 +93,8 @@ class PeerConnection(asyncio.Protocol):
         self._calls: dict[int, FetchCall] = {}  # this side's fetches still running, by req
         self._served: dict[int, ServedFetch] = {}  # the peer's FETCHes with a handler running
         self._pings: dict[float, asyncio.Future[float]] = {}
+        self._ping_walls: dict[float, float] = {}  # an unpadded PING's time -> wall clock as it went
+        self.clock_offset: float | None = None  # seconds the peer's wall clock is ahead of ours (latest PONG)
         self._reading_paused = False  # what the transport was last told
         self._tasks: set[asyncio.Task] = set()
         self._label = "?"  # the peer's node id once known, its address before; for logs
@@ -192,6 +198,8 @@ class PeerConnection(asyncio.Protocol):
         while t in self._pings:  # the PONG names its PING by time alone: a PING sent in the same
             t = math.nextafter(t, math.inf)  # tick as another gets a time of its own, just past it
         fut = self._pings[t] = self._loop.create_future()
+        if pad is None:  # a padded PING's round trip holds its transfer: no measure of the clocks
+            self._ping_walls[t] = self._wall_clock()
         await self._send(Ping(t, pad))
         return sent, await fut  # (the clock's time, not the PING's: its PONG may come in the same tick)
 
@@ -324,6 +332,10 @@ class PeerConnection(asyncio.Protocol):
     def _received(self, msg: Message, now: float) -> None:
         if isinstance(msg, Pong):
             fut = self._pings.pop(msg.time, None)
+            wall = self._ping_walls.pop(msg.time, None)
+            if wall is not None and msg.wall is not None:
+                # the peer read its clock about half a round trip after ours went
+                self.clock_offset = msg.wall - (wall + (now - msg.time) / 2)
             if fut is not None and not fut.done():
                 fut.set_result(now)
         elif not isinstance(msg, Ping):  # the connection has already queued the PONG
@@ -415,6 +427,7 @@ class PeerConnection(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(self._closed_error())
         self._pings.clear()
+        self._ping_walls.clear()
         self._inbox.put_nowait(None)
         self._writable.set()  # wake writers so they see the close
 

@@ -188,6 +188,9 @@ class Pong(Message):
 
     TYPE: ClassVar[str] = "PONG"
     time: float  # the time of the PING answered, echoed unchanged
+    # the answerer's wall clock (Unix seconds) as it answered: with the round trip, the pinger
+    # learns how far the two clocks are apart. None: not said (peers before it had it)
+    wall: float | None = None
 
 
 TYPES: dict[str, type[Message]] = {
@@ -227,6 +230,10 @@ def _float(v: Any) -> float:
     if type(v) not in (int, float) or not math.isfinite(v):
         raise ValueError(f"expected a finite number, got {v!r}")
     return float(v)
+
+
+def _optional_float(v: Any) -> float | None:
+    return None if v is None else _float(v)
 
 
 def _optional_positive_float(v: Any) -> float | None:
@@ -339,11 +346,11 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Cancel: {"req": _uint},
     Error: {"code": _str, "msg": _str, "req": _optional_uint},
     Ping: {"time": _float, "pad": _optional_bytes},
-    Pong: {"time": _float},
+    Pong: {"time": _float, "wall": _optional_float},
 }
 _OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Fetch, "rule"), (Chunk, "key"),
              (Error, "req"), (Advertise, "levels"),
-             (Ping, "pad")}  # may be absent on the wire (= nil)
+             (Ping, "pad"), (Pong, "wall")}  # may be absent on the wire (= nil)
 
 
 def to_wire(msg: Message) -> dict:

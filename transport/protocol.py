@@ -69,7 +69,8 @@ class Connection:
     def __init__(self, role: str, node_id: str, secret: bytes, *,
                  max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES, caps: dict | None = None,
                  max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
-                 nonce_source: Callable[[int], bytes] = os.urandom):
+                 nonce_source: Callable[[int], bytes] = os.urandom,
+                 wall_clock: Callable[[], float] | None = None):
         if role not in ("client", "server"):
             raise ValueError(f"role must be 'client' or 'server', got {role!r}")
         if not secret:
@@ -91,6 +92,9 @@ class Connection:
         if len(self._nonce) != NONCE_BYTES:
             raise ValueError(f"nonce_source must return {NONCE_BYTES} bytes")
         self._peer_nonce = b""
+        # the wall clock a PONG reports (its `wall`), so the pinger learns the clocks' offset;
+        # None: PONGs say nothing of it (the state machine reads no clock of its own)
+        self._wall_clock = wall_clock
         self._decoder = frames.FrameDecoder(min(HANDSHAKE_MAX_FRAME_BYTES, max_frame_bytes))
         self._out: list[bytes | memoryview] = []
         self._events: collections.deque[Event] = collections.deque()
@@ -262,7 +266,7 @@ class Connection:
                 self._closed(msg.code, msg.msg, True)
                 return
         elif isinstance(msg, Ping):
-            self._queue(Pong(msg.time))
+            self._queue(Pong(msg.time, self._wall_clock() if self._wall_clock else None))
         elif isinstance(msg, Pong):
             self.rtt = now - msg.time
         self._events.append(MessageReceived(msg))
