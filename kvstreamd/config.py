@@ -439,6 +439,24 @@ class FetchConfig:
     stall_s: float = _key(2.0, parse=_float(gt=0), reload=True)
 
 
+def _share(value, where, ctx) -> float:
+    value = _float(gt=0)(value, where, ctx)
+    if value > 1:
+        raise ConfigError(f"{where}: {_show(value)} is a share of the budget: at most 1")
+    return value
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    enabled: bool = _key(False, parse=_bool, reload=True)
+    max_successors: int = _key(2, parse=_int(1, 16), reload=True)
+    min_count: int = _key(2, parse=_int(1), reload=True)
+    window_s: float = _key(300.0, parse=_float(gt=0), reload=True)
+    memory_share: float = _key(0.25, parse=_share, reload=True)
+    max_contexts: int = _key(1024, parse=_int(1, 1_000_000))
+    deadline_ms: int = _key(30_000, parse=_int(1, 3_600_000), reload=True)
+
+
 def _redis_url(value, where, ctx) -> str:
     if not isinstance(value, str):
         raise _wrong_type(value, where, 'a string "redis://host:port/db"')
@@ -467,6 +485,7 @@ class DirectoryConfig:
 _SECTIONS: dict[str, type] = {
     "node": NodeConfig, "api": ApiConfig, "peer": PeerConfig, "directory": DirectoryConfig,
     "store": StoreConfig, "codec": CodecConfig, "fetch": FetchConfig,
+    "prefetch": PrefetchConfig,
 }
 
 
@@ -479,6 +498,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     source: Path | None = None  # the file it came from; None for built-in defaults
 
     def secret(self) -> bytes | None:

@@ -74,6 +74,16 @@ class Metrics:
         self._codec_restarts = 0
         self.encode_seconds = Histogram("kvstreamd_put_encode_seconds", "Encode time per put", registry=r,
                                         buckets=_LATENCY)
+        # Predictive prefetch (prefetch.py).
+        self.prefetches = Counter("kvstreamd_prefetches", "Successor contexts prefetched, by outcome (done; held: "
+                                  "nothing to fetch; not_held: no peer holds it; no_room: past [prefetch] memory_share; "
+                                  "failed)", ["outcome"], registry=r)
+        self.prefetch_bytes = Counter("kvstreamd_prefetch_bytes", "Chunk payload bytes prefetched into the store",
+                                      registry=r)
+        self.prefetch_hits = Counter("kvstreamd_prefetch_hits", "User fetches that found a prefetched context's "
+                                     "chunks held here", registry=r)
+        self.prefetch_yields = Counter("kvstreamd_prefetch_yields", "Prefetch requests cancelled because a user "
+                                       "fetch started (each resumes after it)", registry=r)
         self._ratio_raw: dict[str, float] = {}
         self._ratio_coded: dict[str, float] = {}
 

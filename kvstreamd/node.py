@@ -27,6 +27,7 @@ from .events import FetchRequest
 from .metrics import Metrics
 from .peers import PeerManager
 from .pipeline import FetchJob, plan
+from .prefetch import Prefetcher
 from .shm import Reader as SegmentReader, ShmError
 from .chunkfile import ChunkRecord
 from .keys import chunk_keys
@@ -103,6 +104,7 @@ class Node:
         self._local_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches the local store serves whole
         self._active: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()  # fetched chunks being stored
+        self.prefetch = Prefetcher(lambda: self.cfg, store, directory, peers, coder, metrics)
 
     @property
     def node_id(self) -> str:
@@ -264,10 +266,14 @@ class Node:
         deadline counts from here, so a fetch that waited for a slot has that much less for
         its peers."""
         arrived = time.monotonic()
-        p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens,
-                       self._levels(req))
-        async with self._local_slots if p.found == p.local else self._fetch_slots:
-            await self._fetch(req, prof, emit, arrived)
+        self.prefetch.user_fetch_started()  # a prefetch yields the link to it
+        try:
+            p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens,
+                           self._levels(req))
+            async with self._local_slots if p.found == p.local else self._fetch_slots:
+                await self._fetch(req, prof, emit, arrived)
+        finally:
+            self.prefetch.user_fetch_ended()
 
     async def _fetch(self, req: FetchRequest, prof: Profile, emit, arrived: float | None = None) -> None:
         self.metrics.fetches_active.inc()
@@ -276,6 +282,7 @@ class Node:
         tokens, dtype = req.tokens, req.dtype
         # planned again now that it has a slot: what is held may have changed while it waited
         p = await plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens, self._levels(req))
+        self.prefetch.fetched(req.model_id, tokens, p)
         shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
         parts = layout.fetch_parts(prof.layout, p.found_tokens, cfg.codec.chunk_tokens)
         flat = (layout.parts_numel(parts, p.found_tokens, prof.heads, prof.head_dim),)
@@ -308,6 +315,7 @@ class Node:
             res = await job.run(emit)
             job.buffer = job.segment = None
             if job.arrived and cfg.store.keep_fetched:  # off the fetch's path: its client has every chunk already
+                self.prefetch.user_fetch_started()  # storing them is the fetch's work too: a prefetch waits
                 self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived))
             total = time.monotonic() - t0
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
@@ -337,6 +345,13 @@ class Node:
         the very bytes it came in (never coded again from the decoded, already lossy KV), so
         that this node serves them onward and the directory says so: a context spreads through
         the fleet as it is used. Chunks held here already are left as they are."""
+        try:
+            await self._keep(model_id, tokens, p, prof, arrived)
+        finally:
+            self.prefetch.user_fetch_ended()
+
+    async def _keep(self, model_id: str, tokens: list[int], p, prof: Profile,
+                    arrived: list[tuple[int, str, bytes]]) -> None:
         kept = 0
         for i, level, payload in arrived:
             key = p.keys[i]
@@ -394,6 +409,7 @@ class Node:
         for t in list(self._active):
             t.cancel()
         await asyncio.gather(*self._active, return_exceptions=True)
+        await self.prefetch.stop()
         await asyncio.gather(*self._background, return_exceptions=True)  # before the store closes
 
     # -- buffers -----------------------------------------------------------------------------
@@ -497,7 +513,7 @@ class Node:
                 "peers_connected": self.peers.connected(), "fetches_active": len(self._active),
                 "buffers_held": len(self.buffers), "decode_mbps": round(self.coder.decode_mbps, 1),
                 "levels": list(cfg.codec.levels), "chunk_tokens": cfg.codec.chunk_tokens,
-                "directory": self.directory.info(),
+                "directory": self.directory.info(), "prefetch": self.prefetch.info(),
                 "health": {"status": "stopping" if self.stopping else "degraded" if faults else "ok",
                            "degraded": faults},
                 "codec": {"workers": self.coder.pool.workers, "restarts": self.coder.pool.restarts,
