@@ -35,6 +35,10 @@ log = logging.getLogger("kvstreamd.prefetch")
 
 QUEUED = 16  # successor contexts waiting for the worker; the oldest go when more come
 RECENT = 64  # receive times of the last prefetched chunks that /v1/status shows
+# Chunks per FETCH a prefetch sends. One: what a user fetch that starts finds on the link ahead
+# of its own chunks (the sender's window of a request in flight, and its socket buffer) is at
+# most one chunk; it costs the prefetch a round trip per chunk, which nobody waits for.
+REQUEST_CHUNKS = 1
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,7 @@ class CoAccess:
 class _Unused:
     """A context this node prefetched that no user has fetched since."""
 
-    keys: list[bytes] = field(default_factory=list)  # its chunks the prefetch stored
-    nbytes: int = 0  # their payload bytes, while they are held (0 once dropped for room)
+    sizes: dict[bytes, int] = field(default_factory=dict)  # its chunks the prefetch stored -> payload bytes
     local_before: int = 0  # its chunks held here before the prefetch
 
 
@@ -210,12 +213,13 @@ class Prefetcher:
                 self.metrics.prefetches.labels(outcome).inc()
                 u = self.unused.get(ctx.id)
                 log.info("prefetch of %s (%d chunks): %s, %d chunks stored", ctx.id.hex()[:16], len(ctx.keys),
-                         outcome, len(u.keys) if u else 0)
+                         outcome, len(u.sizes) if u else 0)
 
     async def _prefetch(self, ctx: Context) -> str:
-        """Pull ctx's chunks not held here, yielding to every user fetch; returns the outcome
-        (done, held: it was held here already, not_held, no_room, failed)."""
-        entry = None
+        """Pull ctx's chunks not held here, REQUEST_CHUNKS per FETCH, yielding to every user
+        fetch; returns the outcome (done, held: it was held here already, not_held, no_room,
+        failed)."""
+        entry, holders = None, None
         while True:
             await self._idle.wait()
             local = self.store.longest_prefix(ctx.keys)
@@ -227,18 +231,22 @@ class Prefetcher:
                 return "held"
             if entry is None:
                 entry = self.unused[ctx.id] = _Unused(local_before=local)
-            holders = await self.directory.lookup(list(ctx.keys), local)
+                self._bound_unused()
+            if holders is None or not holders.of(local):
+                holders = await self.directory.lookup(list(ctx.keys), local)
             peer, end = holders.best(local)
             if peer is None:
-                return "not_held" if not entry.keys else "failed"
+                return "not_held" if not entry.sizes else "failed"
             self._user_started.clear()
             if not self._idle.is_set():
                 continue  # a user fetch started during the lookup
-            outcome = await self._pull(ctx, entry, peer, holders.addresses.get(peer), local, end)
+            outcome = await self._pull(ctx, entry, peer, holders.addresses.get(peer), local,
+                                       min(end, local + REQUEST_CHUNKS))
             if outcome is not None:
                 return outcome
             if self._user_started.is_set():
                 self.metrics.prefetch_yields.inc()
+                holders = None  # who holds what may have changed while it waited
 
     async def _pull(self, ctx: Context, entry: _Unused, peer: str, address: str | None, start: int,
                     end: int) -> str | None:
@@ -282,8 +290,7 @@ class Prefetcher:
                     log.info("prefetched chunk %d of %s not stored: %s", j, ctx.id.hex()[:16], err)
                     return "no_room"
                 if stored is not None:
-                    entry.keys.append(rec.key)
-                    entry.nbytes += rec.nbytes
+                    entry.sizes[rec.key] = rec.nbytes
                     self.metrics.prefetch_bytes.inc(rec.nbytes)
             return None
         except aio.FetchCancelled:
@@ -302,7 +309,24 @@ class Prefetcher:
         return int(cfg.store.memory_budget * cfg.prefetch.memory_share)
 
     def _unused_bytes(self) -> int:
-        return sum(u.nbytes for u in self.unused.values())
+        """Payload bytes of prefetched chunks no user has fetched, that are still held."""
+        return sum(n for u in self.unused.values() for k, n in u.sizes.items() if self.store.has(k))
+
+    async def _drop(self, ctx_id: bytes) -> None:
+        """Delete an unused prefetch's chunks, last first (a chunk whose child stays is a prefix still)."""
+        u = self.unused[ctx_id]
+        for key in reversed(list(u.sizes)):
+            await asyncio.to_thread(self.store.delete, key)
+        u.sizes.clear()
+
+    def _bound_unused(self) -> None:
+        """At most [prefetch] max_contexts unused prefetches are remembered; the oldest go
+        (chunks and all: forgotten, they would stand outside the share)."""
+        while len(self.unused) > self.config().prefetch.max_contexts:
+            ctx_id = next(iter(self.unused))
+            u = self.unused.pop(ctx_id)
+            for key in reversed(list(u.sizes)):
+                self.store.delete(key)
 
     async def _room(self, cfg: Config, current: bytes, nbytes: int) -> bool:
         """Make room for nbytes more of prefetched chunks within the share, dropping the oldest
@@ -311,10 +335,8 @@ class Prefetcher:
         for ctx_id, u in list(self.unused.items()):
             if self._unused_bytes() + nbytes <= share:
                 break
-            if ctx_id == current or not u.nbytes:
+            if ctx_id == current or not u.sizes:
                 continue
-            for key in reversed(u.keys):  # last chunk first: a chunk whose child stays is still its prefix
-                await asyncio.to_thread(self.store.delete, key)
+            await self._drop(ctx_id)
             log.info("prefetched context %s dropped unused to make room", ctx_id.hex()[:16])
-            u.nbytes = 0
         return self._unused_bytes() + nbytes <= share

@@ -6,8 +6,8 @@ user fetch: none of its chunks is taken while the user's fetch runs, and it resu
 (What a user fetch pays while prefetches run, timed: `kvstreamd bench prefetch`.)"""
 from __future__ import annotations
 
+import asyncio
 import json
-import random
 import re
 import time
 from pathlib import Path
@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import synthetic_daemon, synthetic_kv
+from kvstreamd.client import AsyncClient
+from kvstreamd.keys import chunk_keys
 from kvstreamd.config import ConfigError, load
 from kvstreamd.lab import netns
 from kvstreamd.lab.daemons import wait_for
@@ -80,7 +82,95 @@ def test_a_bad_prefetch_key_is_refused_naming_the_file_and_key(tmp_path, text, f
     assert str(e.value).startswith(str(path)) and fragment in str(e.value)
 
 
-# -- two daemons ---------------------------------------------------------------------------
+# -- daemons in the test's event loop ---------------------------------------------------------
+
+async def settle(d) -> None:
+    """Until d's prefetches are done and no fetch of its own is running."""
+    for _ in range(400):
+        p = d.node.prefetch.info()
+        if p["queued"] == 0 and p["running"] is None and p["user_fetches"] == 0:
+            return
+        await asyncio.sleep(0.025)
+    raise TimeoutError("prefetch did not settle")
+
+
+async def fetch_on(d, tokens) -> int:
+    """A user fetch on d; returns its local tokens."""
+    async with AsyncClient(d.cfg.api.socket, timeout=60) as c:
+        f = await c.fetch(MODEL, tokens, deadline_ms=30_000)
+        async with f:
+            assert [ev.kind async for ev in f] and f.end.kv_tokens == len(tokens)
+            local = f.start.local_tokens
+    await settle(d)
+    return local
+
+
+async def two_nodes(inprocess, budget: int | None = None, **prefetch):
+    """a holds the contexts (put with `put`), b fetches them, keeping nothing it fetched, so
+    that what b holds it prefetched."""
+    store = {"keep_fetched": False, **({"memory_budget": budget, "disk_budget": 0} if budget else {})}
+    return await inprocess(["a", "b"], codec={"levels": [LEVEL]}, per_node={"b": {"store": store}},
+                           prefetch={"enabled": True, "min_count": 1, **prefetch})
+
+
+async def put(a, b, n: int, chunks: int) -> list[list[int]]:
+    contexts = [list(range(70_000 + 10_000 * i, 70_000 + 10_000 * i + 256 * chunks)) for i in range(n)]
+    async with AsyncClient(a.cfg.api.socket, timeout=60) as c:
+        for i, tokens in enumerate(contexts):
+            await c.put(MODEL, tokens, synthetic_kv(len(tokens), seed=300 + i).half())
+    for _ in range(200):
+        if b.directory.counts().get("a", 0) == n * chunks:
+            return contexts
+        await asyncio.sleep(0.025)
+    raise TimeoutError("b never learnt a's keys")
+
+
+async def test_a_prefetched_context_is_fetched_locally_and_counted_a_hit(inprocess):
+    a, b = await two_nodes(inprocess)
+    x, y = await put(a, b, 2, chunks=2)
+    for tokens in (x, y, x):  # y follows x; then x again prefetches y
+        await fetch_on(b, tokens)
+    sent = sum(len(a.store.get(k).levels[LEVEL]) for k in chunk_keys(MODEL, y, 256))
+    assert b.metrics.prefetch_bytes._value.get() == sent
+    assert b.metrics.prefetch_hits._value.get() == 0
+    assert await fetch_on(b, y) == len(y)
+    assert b.metrics.prefetch_hits._value.get() == 1
+
+
+async def test_a_context_prefetched_and_not_fetched_is_not_prefetched_again(inprocess):
+    a, b = await two_nodes(inprocess)
+    x, y = await put(a, b, 2, chunks=2)
+    for tokens in (x, y, x):
+        await fetch_on(b, tokens)
+    keys = chunk_keys(MODEL, y, 256)
+    assert b.store.longest_prefix(keys) == 2
+    b.store.delete_context(keys[-1])  # gone unused (as an eviction would take it)
+    for _ in range(3):
+        await fetch_on(b, x)
+    assert b.store.longest_prefix(keys) == 0
+    assert b.metrics.prefetches.labels("done")._value.get() == 1
+    await fetch_on(b, y)  # a user fetched it: it may be prefetched again
+    done = b.metrics.prefetches.labels("done")._value.get()
+    await fetch_on(b, x)
+    assert b.store.longest_prefix(keys) == 2 and b.metrics.prefetches.labels("done")._value.get() == done + 1
+
+
+async def test_unused_prefetched_chunks_stay_within_their_share_of_the_memory_budget(inprocess):
+    """Room for one 2-chunk context in the share: x's second successor takes the first's place."""
+    budget = 10 * (CHUNK_BYTES + 64)
+    a, b = await two_nodes(inprocess, budget=budget, memory_share=0.25, max_successors=2)
+    x, y1, y2 = await put(a, b, 3, chunks=2)
+    for tokens in (x, y1, x):  # y1 follows x: prefetched when x comes again
+        await fetch_on(b, tokens)
+    assert b.store.longest_prefix(chunk_keys(MODEL, y1, 256)) == 2
+    for tokens in (y2, x):  # y2 follows x too: prefetched, and y1, still unused, makes room for it
+        await fetch_on(b, tokens)
+    held = [b.store.longest_prefix(chunk_keys(MODEL, t, 256)) for t in (y1, y2)]
+    assert held == [0, 2]
+    assert 0 < b.node.prefetch.info()["unused_bytes"] <= 0.25 * budget
+
+
+# -- two daemon processes ----------------------------------------------------------------------
 
 def document(i: int) -> tuple[list[int], object]:
     """Document i: 512 tokens of its own, two 256-token chunks."""
