@@ -84,11 +84,15 @@ def test_a_bad_prefetch_key_is_refused_naming_the_file_and_key(tmp_path, text, f
 
 # -- daemons in the test's event loop ---------------------------------------------------------
 
+def idle(prefetch: dict) -> bool:
+    """A node's /v1/status "prefetch": nothing queued or running, and no fetch of its own."""
+    return prefetch["queued"] == 0 and prefetch["running"] is None and prefetch["user_fetches"] == 0
+
+
 async def settle(d) -> None:
     """Until d's prefetches are done and no fetch of its own is running."""
     for _ in range(400):
-        p = d.node.prefetch.info()
-        if p["queued"] == 0 and p["running"] is None and p["user_fetches"] == 0:
+        if idle(d.node.prefetch.info()):
             return
         await asyncio.sleep(0.025)
     raise TimeoutError("prefetch did not settle")
@@ -189,54 +193,54 @@ def metric(text: str, name: str) -> float:
 
 
 def settled(node) -> bool:
-    p = node.client().status()["prefetch"]
-    return p["queued"] == 0 and p["running"] is None and p["user_fetches"] == 0
-
-
-def replay(tmp_path: Path, small_profile, prefetch: bool) -> tuple[float, str]:
-    """Fresh daemons a (holds every document) and b (a store of 2.5 documents in memory, no
-    disk, keeping what it fetches); the pattern fetched on b. Returns b's local share of the
-    tokens found, and its /metrics."""
-    root = tmp_path / ("on" if prefetch else "off")
-    root.mkdir()
-    codec = {"levels": [LEVEL]}
-    a = synthetic_daemon(root, "a", small_profile, codec=codec)
-    b = synthetic_daemon(root, "b", small_profile, codec=codec,
-                         store={"memory_budget": int(2.5 * 2 * (CHUNK_BYTES + 64)), "disk_budget": 0},
-                         prefetch={"enabled": prefetch, "min_count": 1, "max_successors": 1, "memory_share": 0.6})
-    a.peers, b.peers = [b.addr], [a.addr]
-    docs = [document(i) for i in range(12)]
-    try:
-        a.start(wait=0), b.start(wait=0)
-        a.wait_healthy(), b.wait_healthy()
-        ca, cb = a.client(), b.client()
-        for tokens, kv in docs:
-            ca.put(MODEL, tokens, kv)
-        wait_for(lambda: cb.lookup(MODEL, docs[-1][0])["peers"].get("a") == 512, what="b to learn a's keys")
-        local = found = 0
-        for visit in visits():
-            for d in visit:
-                with cb.fetch(MODEL, docs[d][0], deadline_ms=30_000) as f:
-                    list(f)
-                    local, found = local + f.start.local_tokens, found + f.start.found_tokens
-                    assert f.end.kv_tokens == 512
-                # a user reads between fetches: what b does after one is done before the next
-                wait_for(lambda: settled(b), timeout=10,
-                         interval=0.02, what="b to keep the fetch and finish its prefetches")
-        return local / found, cb.metrics()
-    finally:
-        for n in (b, a):
-            n.stop()
+    return idle(node.client().status()["prefetch"])
 
 
 def test_replaying_a_recorded_access_pattern_prefetch_doubles_the_local_hit_rate(tmp_path, small_profile):
-    off, _ = replay(tmp_path, small_profile, prefetch=False)
-    on, metrics = replay(tmp_path, small_profile, prefetch=True)
-    print(f"local hit rate: prefetch off {off:.3f}, on {on:.3f}")
-    assert on >= 2 * off and on > 0.3, (off, on)
-    assert metric(metrics, "kvstreamd_prefetch_hits_total") > 0
-    assert metric(metrics, 'kvstreamd_prefetches_total{outcome="done"}') > 0
-    assert metric(metrics, "kvstreamd_prefetch_bytes_total") > 0
+    """a holds 12 documents; b_off and b_on (each a store of 2.5 documents in memory, no disk,
+    keeping what it fetches; prefetch off and on) each fetch the recorded visits from it."""
+    codec = {"levels": [LEVEL]}
+    store = {"memory_budget": int(2.5 * 2 * (CHUNK_BYTES + 64)), "disk_budget": 0}
+    a = synthetic_daemon(tmp_path, "a", small_profile, codec=codec)
+    fetchers = [synthetic_daemon(tmp_path, f"b_{mode}", small_profile, codec=codec, store=store,
+                                 prefetch={"enabled": mode == "on", "min_count": 1, "max_successors": 1,
+                                           "memory_share": 0.6})
+                for mode in ("off", "on")]
+    for b in fetchers:
+        b.peers = [a.addr]
+    a.peers = [b.addr for b in fetchers]
+    docs = [document(i) for i in range(12)]
+    try:
+        for n in (a, *fetchers):
+            n.start(wait=0)
+        for n in (a, *fetchers):
+            n.wait_healthy()
+        for tokens, kv in docs:
+            a.client().put(MODEL, tokens, kv)
+        rate = []
+        for b in fetchers:
+            cb = b.client()
+            wait_for(lambda: cb.lookup(MODEL, docs[-1][0])["peers"].get("a") == 512, what="b to learn a's keys")
+            local = found = 0
+            for visit in visits():
+                for d in visit:
+                    with cb.fetch(MODEL, docs[d][0], deadline_ms=30_000) as f:
+                        list(f)
+                        local, found = local + f.start.local_tokens, found + f.start.found_tokens
+                        assert f.end.kv_tokens == 512
+                    # a user reads between fetches: what b does after one is done before the next
+                    wait_for(lambda: settled(b), timeout=10, interval=0.02, what="b to finish its prefetches")
+            rate.append(local / found)
+        off, on = rate
+        print(f"local hit rate: prefetch off {off:.3f}, on {on:.3f}")
+        assert on >= 2 * off and on > 0.3, (off, on)
+        metrics = fetchers[1].client().metrics()
+        assert metric(metrics, "kvstreamd_prefetch_hits_total") > 0
+        assert metric(metrics, 'kvstreamd_prefetches_total{outcome="done"}') > 0
+        assert metric(metrics, "kvstreamd_prefetch_bytes_total") > 0
+    finally:
+        for n in (*fetchers, a):
+            n.stop()
 
 
 ok, why = netns.available()
