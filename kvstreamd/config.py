@@ -453,7 +453,7 @@ class PrefetchConfig:
     min_count: int = _key(2, parse=_int(1), reload=True)
     window_s: float = _key(300.0, parse=_float(gt=0), reload=True)
     memory_share: float = _key(0.25, parse=_share, reload=True)
-    max_contexts: int = _key(1024, parse=_int(1, 1_000_000))
+    max_contexts: int = _key(256, parse=_int(1, 1_000_000))
     deadline_ms: int = _key(30_000, parse=_int(1, 3_600_000), reload=True)
 
 

@@ -11,6 +11,7 @@ it deletes its own oldest unused prefetch first. A context it prefetched that no
 fetched is not prefetched again until a user fetches it."""
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import logging
@@ -33,7 +34,7 @@ from .store import Store, StoreError
 
 log = logging.getLogger("kvstreamd.prefetch")
 
-QUEUED = 16  # successor contexts waiting for the worker; the oldest go when more come
+QUEUED = 16  # successor contexts waiting for the worker; the oldest are dropped when more come
 RECENT = 64  # receive times of the last prefetched chunks that /v1/status shows
 # Chunks per FETCH a prefetch sends. One: what a user fetch that starts finds on the link ahead
 # of its own chunks (the sender's window of a request in flight, and its socket buffer) is at
@@ -41,7 +42,7 @@ RECENT = 64  # receive times of the last prefetched chunks that /v1/status shows
 REQUEST_CHUNKS = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Context:
     """A context as a fetch found it: its chunk key chain and the tokens its chunks cover
     (what a prefetch needs to ask holders for it and to store its chunks)."""
@@ -49,7 +50,7 @@ class Context:
     model_id: str
     keys: tuple[bytes, ...]
     bounds: tuple[tuple[int, int], ...]  # token [start, end) of each chunk
-    tokens: tuple[int, ...]
+    tokens: array.array  # u32 token ids: 4 bytes a token, not a Python int's ~32
 
     @property
     def id(self) -> bytes:
@@ -149,7 +150,7 @@ class Prefetcher:
             return
         cfg = self.config().prefetch
         ctx = Context(model_id, tuple(plan.keys[:plan.found]), tuple(plan.bounds[:plan.found]),
-                      tuple(tokens[:plan.found_tokens]))
+                      array.array("I", tokens[:plan.found_tokens]))
         was = self.unused.pop(ctx.id, None)
         if was is not None and plan.local > was.local_before:
             self.metrics.prefetch_hits.inc()
@@ -160,7 +161,9 @@ class Prefetcher:
         table.fetched(ctx, time.monotonic())
         if not cfg.enabled:
             return
-        for succ in table.successors(ctx.id, cfg.min_count, cfg.max_successors):
+        # The worker takes the newest first (the user has moved on from what older fetches
+        # predicted), so the likeliest successor goes in last.
+        for succ in reversed(table.successors(ctx.id, cfg.min_count, cfg.max_successors)):
             if succ.id in self.unused or (self.running is not None and self.running.id == succ.id):
                 continue  # prefetched already and not used since: never again until a user fetches it
             self.queue.pop(succ.id, None)
@@ -198,7 +201,7 @@ class Prefetcher:
                 await self._idle.wait()
                 if not self.queue:
                     break
-                _, ctx = self.queue.popitem(last=False)
+                _, ctx = self.queue.popitem()
                 if ctx.id in self.unused:
                     continue
                 self.running = ctx

@@ -6,6 +6,7 @@ user fetch: none of its chunks is taken while the user's fetch runs, and it resu
 (What a user fetch pays while prefetches run, timed: `kvstreamd bench prefetch`.)"""
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import re
@@ -30,7 +31,7 @@ PATTERN = Path(__file__).parent / "data" / "prefetch_visits.jsonl"
 
 def ctx(name: int, chunks: int = 1) -> Context:
     keys = tuple(bytes([name, i]) * 16 for i in range(chunks))
-    return Context(MODEL, keys, tuple((i * 256, (i + 1) * 256) for i in range(chunks)), tuple(range(chunks * 256)))
+    return Context(MODEL, keys, tuple((i * 256, (i + 1) * 256) for i in range(chunks)), array.array("I", range(chunks * 256)))
 
 
 # -- the successor table --------------------------------------------------------------------

@@ -2,6 +2,26 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+
+def prefilled_document(model: str | None, tokens: int, log=print):
+    """The model (models.load(model)), the first `tokens`-token window of WikiText-2 test.txt,
+    and its KV as fp16, prefilled in blocks of 1024 as the e2e bench prefills:
+    (lm, doc, kv)."""
+    import torch
+
+    from .. import models
+    from ..lab import corpus
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    lm = models.load(model)
+    doc = corpus.windows(lm.tokenizer, "test", 1, tokens)[0]
+    log(f"prefilling {tokens} tokens of test.txt with {lm.model_id}")
+    kv = None
+    for s in range(0, len(doc), 1024):
+        _, kv = models.prefill(lm, doc[s:s + 1024], kv, all_logits=False)
+    return lm, doc, kv.half()
 
 
 def link_peer_parser(prog: str, roles: list[str], port: int) -> argparse.ArgumentParser:

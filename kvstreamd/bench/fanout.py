@@ -11,17 +11,14 @@ holders during which one of them is SIGKILLed halfway: every chunk must still ar
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import torch
-
-from .. import models
-from ..lab import corpus, netns
+from . import prefilled_document
+from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
 
 HOLDERS = 3
@@ -46,14 +43,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level:
     ok, why = netns.available()
     if not ok:
         raise RuntimeError(f"bench fanout needs network namespaces: {why}")
-    torch.set_num_threads(os.cpu_count() or 1)
-    lm = models.load(model)
-    doc = corpus.windows(lm.tokenizer, "test", 1, tokens)[0]
-    log(f"prefilling {tokens} tokens of test.txt with {lm.model_id}")
-    kv = None
-    for s in range(0, len(doc), 1024):  # in blocks, as the e2e bench prefills
-        _, kv = models.prefill(lm, doc[s:s + 1024], kv, all_logits=False)
-    kv = kv.half()
+    lm, doc, kv = prefilled_document(model, tokens, log)
     spokes = tuple("bcdefgh"[:holders])
     star = netns.Star(spokes=spokes, rate_mbit=bandwidth_mbit).up()
     extra = {"codec": {"chunk_tokens": CHUNK_TOKENS, "levels": [level]}}

@@ -16,17 +16,14 @@ and their ratio; the floor: <= 1.10. Between runs y is deleted from b and fetche
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from .. import models
+from . import prefilled_document
 from ..keys import chunk_keys
-from ..lab import corpus, netns
+from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
 
 RATIO_FLOOR = 1.10
@@ -61,14 +58,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level:
     ok, why = netns.available()
     if not ok:
         raise RuntimeError(f"bench prefetch needs network namespaces: {why}")
-    torch.set_num_threads(os.cpu_count() or 1)
-    lm = models.load(model)
-    z = corpus.windows(lm.tokenizer, "test", 1, tokens)[0]
-    log(f"prefilling {tokens} tokens of test.txt with {lm.model_id}")
-    kv = None
-    for s in range(0, len(z), 1024):  # in blocks, as the e2e bench prefills
-        _, kv = models.prefill(lm, z[s:s + 1024], kv, all_logits=False)
-    kv = kv.half()
+    lm, z, kv = prefilled_document(model, tokens, log)
     y = [1_000_000 + i for i in range(PREFETCH_TIMES * len(z))]
     y_kv = kv.repeat(1, 1, PREFETCH_TIMES, 1, 1)
     x = [2_000_000 + i for i in range(CHUNK_TOKENS)]
