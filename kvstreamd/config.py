@@ -423,22 +423,6 @@ class StoreConfig:
     keep_fetched: bool = _key(True, parse=_bool, reload=True)
 
 
-@dataclass(frozen=True)
-class CodecConfig:
-    chunk_tokens: int = _key(1024, parse=_int(256, 4096))
-    levels: tuple[str, ...] = _key(("high", "balanced", "fast"), parse=_levels, reload=True)
-    profile: Path | None = _key(None, parse=_path)
-    workers: int = _key(0, parse=_int(0))
-    device: str = _key("auto", parse=_device)
-
-
-@dataclass(frozen=True)
-class FetchConfig:
-    deadline_ms: int = _key(2000, parse=_int(1, 3_600_000), reload=True)  # at most an hour, as the API
-    recompute_tokens_per_s: float = _key(250.0, parse=_float(gt=0), reload=True)
-    stall_s: float = _key(2.0, parse=_float(gt=0), reload=True)
-
-
 def _share(value, where, ctx) -> float:
     value = _float(gt=0)(value, where, ctx)
     if value > 1:
@@ -455,6 +439,22 @@ class PrefetchConfig:
     memory_share: float = _key(0.25, parse=_share, reload=True)
     max_contexts: int = _key(256, parse=_int(1, 1_000_000))
     deadline_ms: int = _key(30_000, parse=_int(1, 3_600_000), reload=True)
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    chunk_tokens: int = _key(1024, parse=_int(256, 4096))
+    levels: tuple[str, ...] = _key(("high", "balanced", "fast"), parse=_levels, reload=True)
+    profile: Path | None = _key(None, parse=_path)
+    workers: int = _key(0, parse=_int(0))
+    device: str = _key("auto", parse=_device)
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    deadline_ms: int = _key(2000, parse=_int(1, 3_600_000), reload=True)  # at most an hour, as the API
+    recompute_tokens_per_s: float = _key(250.0, parse=_float(gt=0), reload=True)
+    stall_s: float = _key(2.0, parse=_float(gt=0), reload=True)
 
 
 def _redis_url(value, where, ctx) -> str:
@@ -484,8 +484,8 @@ class DirectoryConfig:
 
 _SECTIONS: dict[str, type] = {
     "node": NodeConfig, "api": ApiConfig, "peer": PeerConfig, "directory": DirectoryConfig,
-    "store": StoreConfig, "codec": CodecConfig, "fetch": FetchConfig,
     "prefetch": PrefetchConfig,
+    "store": StoreConfig, "codec": CodecConfig, "fetch": FetchConfig,
 }
 
 
@@ -495,10 +495,10 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
-    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     source: Path | None = None  # the file it came from; None for built-in defaults
 
     def secret(self) -> bytes | None:

@@ -96,6 +96,7 @@ class Node:
         self.metrics = metrics
         self.gpu = gpu  # where fetches that ask for device "cuda" decode; None: the CPU, because gpu_why
         self.gpu_why = gpu_why
+        self.prefetch = Prefetcher(lambda: self.cfg, store, directory, peers, coder, metrics)
         self.stopping = False
         self.started = time.time()
         self.buffers: dict[str, _Held] = {}
@@ -104,7 +105,6 @@ class Node:
         self._local_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches the local store serves whole
         self._active: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()  # fetched chunks being stored
-        self.prefetch = Prefetcher(lambda: self.cfg, store, directory, peers, coder, metrics)
 
     @property
     def node_id(self) -> str:
@@ -232,6 +232,7 @@ class Node:
             raise RequestError(503, "stopping", "the daemon is shutting down")
         queue: asyncio.Queue[events.Event] = asyncio.Queue(EVENT_QUEUE)
         task = asyncio.ensure_future(self._run_fetch(req, prof, queue.put))
+        self.prefetch.waits_for(task)  # a prefetch yields the link to it
         self._active.add(task)
         task.add_done_callback(self._active.discard)
         try:
@@ -266,14 +267,10 @@ class Node:
         deadline counts from here, so a fetch that waited for a slot has that much less for
         its peers."""
         arrived = time.monotonic()
-        self.prefetch.user_fetch_started()  # a prefetch yields the link to it
-        try:
-            p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens,
-                           self._levels(req))
-            async with self._local_slots if p.found == p.local else self._fetch_slots:
-                await self._fetch(req, prof, emit, arrived)
-        finally:
-            self.prefetch.user_fetch_ended()
+        p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens,
+                       self._levels(req))
+        async with self._local_slots if p.found == p.local else self._fetch_slots:
+            await self._fetch(req, prof, emit, arrived)
 
     async def _fetch(self, req: FetchRequest, prof: Profile, emit, arrived: float | None = None) -> None:
         self.metrics.fetches_active.inc()
@@ -282,11 +279,11 @@ class Node:
         tokens, dtype = req.tokens, req.dtype
         # planned again now that it has a slot: what is held may have changed while it waited
         p = await plan(self.store, self.directory, req.model_id, tokens, cfg.codec.chunk_tokens, self._levels(req))
-        self.prefetch.fetched(req.model_id, tokens, p)
         shape = (prof.layers, 2, p.found_tokens, prof.heads, prof.head_dim)
         parts = layout.fetch_parts(prof.layout, p.found_tokens, cfg.codec.chunk_tokens)
         flat = (layout.parts_numel(parts, p.found_tokens, prof.heads, prof.head_dim),)
         on_gpu = req.device == "cuda" and self.gpu is not None
+        self.prefetch.fetched(req.model_id, tokens, p)  # learnt from; its likely successors queued
         buf: FetchBuffer | None = None
         if p.found:
             buf = await self._allocate(flat, dtype, on_gpu)
@@ -315,8 +312,7 @@ class Node:
             res = await job.run(emit)
             job.buffer = job.segment = None
             if job.arrived and cfg.store.keep_fetched:  # off the fetch's path: its client has every chunk already
-                self.prefetch.user_fetch_started()  # storing them is the fetch's work too: a prefetch waits
-                self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived))
+                self.prefetch.waits_for(self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived)))
             total = time.monotonic() - t0
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
             text_tokens = sum(e - s for s, e in text_ranges)
@@ -334,10 +330,11 @@ class Node:
             if not ok and buf is not None:
                 self.release_buffer(buf.name)  # nobody will attach to a failed fetch's buffer
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _keep_arrived(self, model_id: str, tokens: list[int], p, prof: Profile,
                             arrived: list[tuple[int, str, bytes]]) -> None:
@@ -345,13 +342,6 @@ class Node:
         the very bytes it came in (never coded again from the decoded, already lossy KV), so
         that this node serves them onward and the directory says so: a context spreads through
         the fleet as it is used. Chunks held here already are left as they are."""
-        try:
-            await self._keep(model_id, tokens, p, prof, arrived)
-        finally:
-            self.prefetch.user_fetch_ended()
-
-    async def _keep(self, model_id: str, tokens: list[int], p, prof: Profile,
-                    arrived: list[tuple[int, str, bytes]]) -> None:
         kept = 0
         for i, level, payload in arrived:
             key = p.keys[i]

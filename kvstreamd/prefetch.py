@@ -124,7 +124,7 @@ class Prefetcher:
         self.queue: collections.OrderedDict[bytes, Context] = collections.OrderedDict()
         self.running: Context | None = None
         self.received_at: collections.deque[float] = collections.deque(maxlen=RECENT)  # time.time()
-        self._users = 0  # user fetches in flight on this node (and the storing of their chunks)
+        self._users = 0  # user fetches in flight on this node, and the storing of what they brought
         self._idle = asyncio.Event()
         self._idle.set()
         self._user_started = asyncio.Event()  # set by each user fetch that starts while one runs
@@ -133,12 +133,15 @@ class Prefetcher:
 
     # -- what the node tells it ------------------------------------------------------------
 
-    def user_fetch_started(self) -> None:
+    def waits_for(self, task: asyncio.Future) -> None:
+        """No prefetch runs until `task` (a user fetch, or the storing of the chunks it brought)
+        is done: one in flight cancels its request now."""
         self._users += 1
         self._idle.clear()
         self._user_started.set()
+        task.add_done_callback(self._user_work_done)
 
-    def user_fetch_ended(self) -> None:
+    def _user_work_done(self, _task) -> None:
         self._users -= 1
         if not self._users:
             self._idle.set()
