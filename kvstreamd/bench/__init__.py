@@ -3,6 +3,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
+
+DEADLINE_MS = 3_600_000  # a timed fetch takes exactly the level asked, however long it takes
+
+
+def timed_fetch(d, model_id: str, tokens: list[int], level: str) -> dict:
+    """Fetch on daemon `d` (a lab.daemons.DaemonProcess) at exactly `level`: its seconds, the
+    End's timings, bytes and errors, and where its chunks came from."""
+    t0 = time.perf_counter()
+    with d.client().fetch(model_id, tokens, deadline_ms=DEADLINE_MS, levels=[level]) as f:
+        events = list(f)
+        end = f.end
+    return {"seconds": time.perf_counter() - t0, "timings": end.timings,
+            "kv_chunks": sum(ev.kind == "kv" for ev in events), "chunks": len(events),
+            "sources": sorted({ev.source for ev in events}), "bytes": end.bytes, "errors": end.errors,
+            "by_source": {s: sum(ev.source == s for ev in events) for s in {ev.source for ev in events}}}
 
 
 def prefilled_document(model: str | None, tokens: int, log=print):

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import prefilled_document
+from . import prefilled_document, timed_fetch
 from ..keys import chunk_keys
 from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
@@ -30,16 +30,6 @@ RATIO_FLOOR = 1.10
 CHUNK_TOKENS = 256
 PREFETCH_TIMES = 4  # y is this many times z's tokens: its prefetch outlasts z's fetch
 WINDOW_S = 0.5  # [prefetch] window_s on b: z, fetched later than this after x, is not learnt as x's successor
-DEADLINE_MS = 3_600_000  # exactly the level asked, however long it takes
-
-
-def _fetch(d: DaemonProcess, model_id: str, tokens: list[int], level: str) -> dict:
-    t0 = time.perf_counter()
-    with d.client().fetch(model_id, tokens, deadline_ms=DEADLINE_MS, levels=[level]) as f:
-        events = list(f)
-        end = f.end
-    return {"seconds": time.perf_counter() - t0, "timings": end.timings, "bytes": end.bytes,
-            "kv_chunks": sum(ev.kind == "kv" for ev in events), "sources": sorted({ev.source for ev in events})}
 
 
 def _prefetch(d: DaemonProcess) -> dict:
@@ -86,26 +76,26 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level:
                 a.client().put(lm.model_id, tok, k)
             wait_for(lambda: b.client().lookup(lm.model_id, y)["peers"].get("a") == len(y), timeout=60,
                      what="b to learn a's keys")
-            _fetch(b, lm.model_id, x, level)  # y follows x, once
-            _fetch(b, lm.model_id, y, level)
-            _fetch(b, lm.model_id, z, level)  # warm-up: the link probed, the codec tables built
+            timed_fetch(b, lm.model_id, x, level)  # y follows x, once
+            timed_fetch(b, lm.model_id, y, level)
+            timed_fetch(b, lm.model_id, z, level)  # warm-up: the link probed, the codec tables built
             rows: dict[str, list] = {"alone": [], "prefetching": []}
             for r in range(runs):
                 time.sleep(WINDOW_S + 0.2)
-                rows["alone"].append(_fetch(b, lm.model_id, z, level))
+                rows["alone"].append(timed_fetch(b, lm.model_id, z, level))
                 before = _metric(b, "kvstreamd_prefetch_bytes_total")
                 time.sleep(WINDOW_S + 0.2)
-                _fetch(b, lm.model_id, x, level)  # y's prefetch starts
+                timed_fetch(b, lm.model_id, x, level)  # y's prefetch starts
                 wait_for(lambda: _metric(b, "kvstreamd_prefetch_bytes_total") > before, timeout=30, interval=0.01,
                          what="y's prefetch to take a chunk")
                 time.sleep(WINDOW_S + 0.1)
-                row = _fetch(b, lm.model_id, z, level)
+                row = timed_fetch(b, lm.model_id, z, level)
                 row["prefetch_in_flight_after"] = _prefetch(b)["running"] is not None
                 rows["prefetching"].append(row)
                 wait_for(lambda: (p := _prefetch(b))["running"] is None and p["queued"] == 0, timeout=300,
                          what="y's prefetch to finish")
                 time.sleep(WINDOW_S + 0.2)
-                _fetch(b, lm.model_id, y, level)  # used (local now): b may prefetch it again
+                timed_fetch(b, lm.model_id, y, level)  # used (local now): b may prefetch it again
                 b.client().delete_context(y_last)
                 log(f"run {r + 1}/{runs}: z alone {rows['alone'][-1]['seconds']:.3f} s, while y is prefetched "
                     f"{row['seconds']:.3f} s (prefetch still in flight after it: {row['prefetch_in_flight_after']})")
