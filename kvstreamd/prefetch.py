@@ -253,6 +253,8 @@ class Prefetcher:
             if self._user_started.is_set():
                 self.metrics.prefetch_yields.inc()
                 holders = None  # who holds what may have changed while it waited
+            elif self.store.longest_prefix(ctx.keys) <= local:
+                return "failed"  # the peer ended the request without the chunk: not asked again now
 
     async def _pull(self, ctx: Context, entry: _Unused, peer: str, address: str | None, start: int,
                     end: int) -> str | None:
