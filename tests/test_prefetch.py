@@ -235,6 +235,7 @@ def test_replaying_a_recorded_access_pattern_prefetch_doubles_the_local_hit_rate
         off, on = rate
         print(f"local hit rate: prefetch off {off:.3f}, on {on:.3f}")
         assert on >= 2 * off and on > 0.3, (off, on)
+        assert metric(fetchers[0].client().metrics(), "kvstreamd_prefetch_bytes_total") == 0  # off: none
         metrics = fetchers[1].client().metrics()
         assert metric(metrics, "kvstreamd_prefetch_hits_total") > 0
         assert metric(metrics, 'kvstreamd_prefetches_total{outcome="done"}') > 0
