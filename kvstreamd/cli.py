@@ -125,6 +125,15 @@ def _bench_fanout(args: argparse.Namespace) -> int:
     return 0 if all(report["floors"].values()) else 1
 
 
+def _bench_prefetch(args: argparse.Namespace) -> int:
+    from .bench import prefetch as bench
+
+    report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
+                       model=args.model, json_path=args.json)
+    _report(bench.table(report), args.json)
+    return 0 if all(report["floors"].values()) else 1
+
+
 def _bench_scale(args: argparse.Namespace) -> int:
     import functools
 
@@ -444,6 +453,16 @@ def parser() -> argparse.ArgumentParser:
     bf.add_argument("--model", default=None, help="model to prefill with (default: SmolLM2-135M)")
     bf.add_argument("--json", default="bench-out/fanout.json")
     bf.set_defaults(func=_bench_fanout)
+
+    bp = bsub.add_parser("prefetch", help="a user fetch's time alone and while a prefetch runs on its node, over "
+                                          "a shaped link (needs root: network namespaces)")
+    bp.add_argument("--tokens", type=int, default=4096, help="the user fetch's context (the prefetch's is 4x)")
+    bp.add_argument("--bandwidth", type=float, default=100.0, help="Mbit/s of the link")
+    bp.add_argument("--runs", type=int, default=5, help="timed fetches of each kind (medians reported)")
+    bp.add_argument("--level", default="high", help="the one level every chunk is stored and fetched at")
+    bp.add_argument("--model", default=None, help="model to prefill with (default: SmolLM2-135M)")
+    bp.add_argument("--json", default="bench-out/prefetch.json")
+    bp.set_defaults(func=_bench_prefetch)
 
     bg = bsub.add_parser("gpu", help="GPU decode throughput and exactness on a synthetic 7B-sized context")
     bg.add_argument("--layers", type=int, default=32)

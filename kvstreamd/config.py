@@ -449,6 +449,24 @@ class StoreConfig:
     preload_model: str = _key("", parse=_string)
 
 
+def _share(value, where, ctx) -> float:
+    value = _float(gt=0)(value, where, ctx)
+    if value > 1:
+        raise ConfigError(f"{where}: {_show(value)} is a share of the budget: at most 1")
+    return value
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    enabled: bool = _key(False, parse=_bool, reload=True)
+    max_successors: int = _key(2, parse=_int(1, 16), reload=True)
+    min_count: int = _key(2, parse=_int(1), reload=True)
+    window_s: float = _key(300.0, parse=_float(gt=0), reload=True)
+    memory_share: float = _key(0.25, parse=_share, reload=True)
+    max_contexts: int = _key(256, parse=_int(1, 1_000_000))
+    deadline_ms: int = _key(30_000, parse=_int(1, 3_600_000), reload=True)
+
+
 @dataclass(frozen=True)
 class CodecConfig:
     chunk_tokens: int = _key(1024, parse=_int(256, 4096))
@@ -520,6 +538,7 @@ class PolicyConfig:
 
 _SECTIONS: dict[str, type] = {
     "node": NodeConfig, "api": ApiConfig, "peer": PeerConfig, "directory": DirectoryConfig,
+    "prefetch": PrefetchConfig,
     "store": StoreConfig, "codec": CodecConfig, "fetch": FetchConfig,
     "policy": PolicyConfig,
 }
@@ -531,6 +550,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
     directory: DirectoryConfig = field(default_factory=DirectoryConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)

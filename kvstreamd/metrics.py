@@ -71,6 +71,16 @@ class Metrics:
         self.fetches_active = Gauge("kvstreamd_fetches_active", "Local fetches in progress", registry=r)
         self.buffers_held = Gauge("kvstreamd_buffers_held", "Shared-memory buffers not yet released", registry=r)
         self.buffer_bytes = Gauge("kvstreamd_buffer_bytes", "Bytes in shared-memory buffers not yet released", registry=r)
+        # Predictive prefetch (prefetch.py).
+        self.prefetches = Counter("kvstreamd_prefetches", "Successor contexts prefetched, by outcome (done; held: "
+                                  "nothing to fetch; not_held: no peer holds it; no_room: past [prefetch] memory_share; "
+                                  "failed)", ["outcome"], registry=r)
+        self.prefetch_bytes = Counter("kvstreamd_prefetch_bytes", "Chunk payload bytes prefetched into the store",
+                                      registry=r)
+        self.prefetch_hits = Counter("kvstreamd_prefetch_hits", "User fetches that found a prefetched context's "
+                                     "chunks held here", registry=r)
+        self.prefetch_yields = Counter("kvstreamd_prefetch_yields", "Prefetch requests cancelled because a user "
+                                       "fetch started (each resumes after it)", registry=r)
         self.puts = Counter("kvstreamd_put_chunks", "Chunks offered by local puts, by outcome (stored, already_held, "
                             "memory_only: its file could not be written, refused; fetched: kept from a fetch, to serve onward)", ["outcome"], registry=r)
         self.degraded = Gauge("kvstreamd_degraded", "1 while the node is degraded for this reason (codec_workers: "

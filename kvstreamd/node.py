@@ -29,6 +29,7 @@ from .fetch_outcomes import FILE_NAME as OUTCOMES_FILE, FetchOutcomes, Outcome
 from .metrics import Metrics
 from .peers import PeerManager
 from .pipeline import FetchJob, plan
+from .prefetch import Prefetcher
 from .shm import Reader as SegmentReader, ShmError
 from .chunkfile import ChunkRecord
 from .keys import chunk_keys
@@ -98,6 +99,7 @@ class Node:
         self.metrics = metrics
         self.gpu = gpu  # where fetches that ask for device "cuda" decode; None: the CPU, because gpu_why
         self.gpu_why = gpu_why
+        self.prefetch = Prefetcher(lambda: self.cfg, store, directory, peers, coder, metrics)
         self.stopping = False
         self.started = time.time()
         self.recent_fetches = health.RecentFetches()  # what /v1/status judges the fetch thresholds over
@@ -242,6 +244,7 @@ class Node:
             raise RequestError(503, "stopping", "the daemon is shutting down")
         queue: asyncio.Queue[events.Event] = asyncio.Queue(EVENT_QUEUE)
         task = asyncio.ensure_future(self._run_fetch(req, prof, queue.put))
+        self.prefetch.waits_for(task)  # a prefetch yields the link to it
         self._active.add(task)
         task.add_done_callback(self._active.discard)
         try:
@@ -296,6 +299,7 @@ class Node:
         parts = layout.fetch_parts(prof.layout, p.found_tokens, cfg.codec.chunk_tokens)
         flat = (layout.parts_numel(parts, p.found_tokens, prof.heads, prof.head_dim),)
         on_gpu = req.device == "cuda" and self.gpu is not None
+        self.prefetch.fetched(req.model_id, tokens, p)  # learnt from; its likely successors queued
         buf: FetchBuffer | None = None
         if p.found:
             buf = await self._allocate(flat, dtype, on_gpu)
@@ -325,7 +329,7 @@ class Node:
             res = await job.run(emit)
             job.buffer = job.segment = None
             if job.arrived and cfg.store.keep_fetched:  # off the fetch's path: its client has every chunk already
-                self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived))
+                self.prefetch.waits_for(self._spawn(self._keep_arrived(req.model_id, tokens, p, prof, job.arrived)))
             total = time.monotonic() - t0
             self.recent_fetches.add(total, res.stage_s["decode"])
             text_ranges = [[*p.bounds[i]] for i, lv in enumerate(res.levels) if lv == "text"]
@@ -347,10 +351,11 @@ class Node:
             if not ok and buf is not None:
                 self.release_buffer(buf.name)  # nobody will attach to a failed fetch's buffer
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _keep_arrived(self, model_id: str, tokens: list[int], p, prof: Profile,
                             arrived: list[tuple[int, str, bytes]]) -> None:
@@ -420,6 +425,7 @@ class Node:
         for t in list(self._active):
             t.cancel()
         await asyncio.gather(*self._active, return_exceptions=True)
+        await self.prefetch.stop()
         await asyncio.gather(*self._background, return_exceptions=True)  # before the store closes
 
     # -- buffers -----------------------------------------------------------------------------
@@ -573,7 +579,7 @@ class Node:
                 "peers_connected": self.peers.connected(), "fetches_active": len(self._active),
                 "buffers_held": len(self.buffers), "decode_mbps": round(self.coder.decode_mbps, 1),
                 "levels": list(cfg.codec.levels), "chunk_tokens": cfg.codec.chunk_tokens,
-                "directory": self.directory.info(),
+                "directory": self.directory.info(), "prefetch": self.prefetch.info(),
                 "health": {"status": "stopping" if self.stopping else "degraded" if faults else "ok",
                            "degraded": faults},
                 "thresholds": health.report(self.recent_fetches, self.metrics.compression_ratio,

@@ -2,6 +2,42 @@
 from __future__ import annotations
 
 import argparse
+import os
+import time
+
+DEADLINE_MS = 3_600_000  # a timed fetch takes exactly the level asked, however long it takes
+
+
+def timed_fetch(d, model_id: str, tokens: list[int], level: str) -> dict:
+    """Fetch on daemon `d` (a lab.daemons.DaemonProcess) at exactly `level`: its seconds, the
+    End's timings, bytes and errors, and where its chunks came from."""
+    t0 = time.perf_counter()
+    with d.client().fetch(model_id, tokens, deadline_ms=DEADLINE_MS, levels=[level]) as f:
+        events = list(f)
+        end = f.end
+    return {"seconds": time.perf_counter() - t0, "timings": end.timings,
+            "kv_chunks": sum(ev.kind == "kv" for ev in events), "chunks": len(events),
+            "sources": sorted({ev.source for ev in events}), "bytes": end.bytes, "errors": end.errors,
+            "by_source": {s: sum(ev.source == s for ev in events) for s in {ev.source for ev in events}}}
+
+
+def prefilled_document(model: str | None, tokens: int, log=print):
+    """The model (models.load(model)), the first `tokens`-token window of WikiText-2 test.txt,
+    and its KV as fp16, prefilled in blocks of 1024 as the e2e bench prefills:
+    (lm, doc, kv)."""
+    import torch
+
+    from .. import models
+    from ..lab import corpus
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    lm = models.load(model)
+    doc = corpus.windows(lm.tokenizer, "test", 1, tokens)[0]
+    log(f"prefilling {tokens} tokens of test.txt with {lm.model_id}")
+    kv = None
+    for s in range(0, len(doc), 1024):
+        _, kv = models.prefill(lm, doc[s:s + 1024], kv, all_logits=False)
+    return lm, doc, kv.half()
 
 
 def link_peer_parser(prog: str, roles: list[str], port: int) -> argparse.ArgumentParser:

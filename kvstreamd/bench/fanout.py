@@ -11,34 +11,18 @@ holders during which one of them is SIGKILLed halfway: every chunk must still ar
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-import torch
-
-from .. import models
-from ..lab import corpus, netns
+from . import prefilled_document, timed_fetch
+from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
 
 HOLDERS = 3
 RATIO_FLOOR = 0.4
 CHUNK_TOKENS = 256  # 16 chunks of a 4096-token context: shares of a sixteenth each
-DEADLINE_MS = 3_600_000  # exactly the level asked, however long it takes
-
-
-def _fetch(d: DaemonProcess, model_id: str, tokens: list[int], level: str) -> dict:
-    t0 = time.perf_counter()
-    with d.client().fetch(model_id, tokens, deadline_ms=DEADLINE_MS, levels=[level]) as f:
-        events = list(f)
-        end = f.end
-    return {"seconds": time.perf_counter() - t0, "timings": end.timings,
-            "kv_chunks": sum(ev.kind == "kv" for ev in events), "chunks": len(events),
-            "sources": sorted({ev.source for ev in events}), "bytes": end.bytes, "errors": end.errors,
-            "by_source": {s: sum(ev.source == s for ev in events) for s in {ev.source for ev in events}}}
 
 
 def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level: str = "high",
@@ -46,14 +30,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level:
     ok, why = netns.available()
     if not ok:
         raise RuntimeError(f"bench fanout needs network namespaces: {why}")
-    torch.set_num_threads(os.cpu_count() or 1)
-    lm = models.load(model)
-    doc = corpus.windows(lm.tokenizer, "test", 1, tokens)[0]
-    log(f"prefilling {tokens} tokens of test.txt with {lm.model_id}")
-    kv = None
-    for s in range(0, len(doc), 1024):  # in blocks, as the e2e bench prefills
-        _, kv = models.prefill(lm, doc[s:s + 1024], kv, all_logits=False)
-    kv = kv.half()
+    lm, doc, kv = prefilled_document(model, tokens, log)
     spokes = tuple("bcdefgh"[:holders])
     star = netns.Star(spokes=spokes, rate_mbit=bandwidth_mbit).up()
     extra = {"codec": {"chunk_tokens": CHUNK_TOKENS, "levels": [level]}}
@@ -81,12 +58,12 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level:
             wait_for(lambda: every.client().lookup(lm.model_id, doc)["peers"] == {h.name: tokens for h in hs}
                      and one.client().lookup(lm.model_id, doc)["peers"] == {hs[0].name: tokens},
                      timeout=60, what="the fetchers to learn the holders' keys")
-            _fetch(one, lm.model_id, doc, level)  # warm-up: each link probed once, codec tables built
-            _fetch(every, lm.model_id, doc, level)
+            timed_fetch(one, lm.model_id, doc, level)  # warm-up: each link probed once, codec tables built
+            timed_fetch(every, lm.model_id, doc, level)
             rows = {"one": [], "all": []}
             for r in range(runs):
-                rows["one"].append(_fetch(one, lm.model_id, doc, level))
-                rows["all"].append(_fetch(every, lm.model_id, doc, level))
+                rows["one"].append(timed_fetch(one, lm.model_id, doc, level))
+                rows["all"].append(timed_fetch(every, lm.model_id, doc, level))
                 log(f"run {r + 1}/{runs}: one holder {rows['one'][-1]['seconds']:.3f} s, "
                     f"{holders} holders {rows['all'][-1]['seconds']:.3f} s {rows['all'][-1]['by_source']}")
             med = {k: statistics.median(x["seconds"] for x in v) for k, v in rows.items()}
@@ -95,7 +72,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level:
             victim = hs[1]
             timer = threading.Timer(med["all"] / 2, victim.kill)
             timer.start()
-            killed = _fetch(every, lm.model_id, doc, level)
+            killed = timed_fetch(every, lm.model_id, doc, level)
             timer.join()
             report["kill"] = {**killed, "killed": victim.name, "after_s": med["all"] / 2,
                               "lost_chunks": chunks - killed["kv_chunks"]}
