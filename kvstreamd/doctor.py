@@ -207,7 +207,8 @@ def hit_rate(metrics_text: str) -> Check:
         if family.name == "kvstreamd_prompt_tokens":
             for s in family.samples:
                 if s.name.endswith("_total"):
-                    by_source[s.labels["source"]] = s.value
+                    src = s.labels["source"]  # summed over the other labels (the A/B arm)
+                    by_source[src] = by_source.get(src, 0.0) + s.value
     total = sum(by_source.values())
     if not total:
         return Check("hit rate", OK, "no prompt looked up since start")

@@ -300,8 +300,9 @@ def test_the_cpu_check_names_the_vector_instructions_of_this_host():
 
 def test_a_hit_rate_under_half_of_prompt_tokens_warns():
     m = Metrics()
-    m.prompt_tokens.labels("local").inc(100)
-    m.prompt_tokens.labels("peer").inc(50)
-    m.prompt_tokens.labels("prefill").inc(450)
+    m.prompt_tokens.labels("local", "control").inc(60)
+    m.prompt_tokens.labels("local", "candidate").inc(40)  # the A/B arms count together
+    m.prompt_tokens.labels("peer", "control").inc(50)
+    m.prompt_tokens.labels("prefill", "control").inc(450)
     check = doctor.hit_rate(m.render().decode())
     assert check.status == doctor.WARN and check.figure.startswith("25% of 600 prompt tokens"), check
