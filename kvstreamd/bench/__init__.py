@@ -2,8 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
+from pathlib import Path
+
+def write_json(report: dict, json_path: str | None) -> None:
+    """A benchmark's report as JSON at `json_path` (its folder made), when one is given."""
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1))
+
 
 DEADLINE_MS = 3_600_000  # a timed fetch takes exactly the level asked, however long it takes
 

@@ -8,7 +8,6 @@ Speeds are per core (one process, one thread) and with all cores (a CodecPool).
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -22,6 +21,7 @@ from codec.parallel import CodecPool
 
 from .. import models
 from ..lab import corpus, quality
+from . import write_json
 
 SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:high", "cachegen:balanced",
            "cachegen:fast"]
@@ -165,9 +165,7 @@ def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_to
     report = {"model": lm.model_id, "tokens": tokens, "contexts": contexts, "continuation": continuation,
               "chunk_tokens": chunk_tokens, "workers": workers, "text": texts[0],
               "exact_ppl": first["exact_ppl"], "results": first["results"], "texts": per_text}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    write_json(report, json_path)
     if plot_path:
         plot(report, plot_path)
     return report

@@ -14,7 +14,6 @@ Quality, off the clock: Δperplexity of the document's continuation on the KV ea
 with, against the exact cache, and whether the generated tokens equal the recompute ones."""
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -32,6 +31,7 @@ from .. import models
 from ..lab import corpus, netns, quality
 from ..lab.daemons import DaemonProcess, wait_for
 from ..models.prefix import generate
+from . import write_json
 
 METHODS = ["recompute", "fp16", "int8", "kvstreamd"]
 # kvstreamd's own levels for kvstreamd (the hosts also store the baselines, to fetch those)
@@ -262,9 +262,7 @@ def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadlin
         report = {"model": lm.model_id, "shaped": h.shaped, "trace": trace,
                   "deadline_ms": deadline_ms or f"{DEADLINE_MS_PER_1K} per 1024 tokens", "chunk_tokens": chunk_tokens,
                   "question": lm.spec.turn_close, "generate": GENERATE, "results": summarise(rows), "runs": rows}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=1))
+    write_json(report, json_path)
     if plot_path:
         plot(report, plot_path)
     report["answer"] = lm.tokenizer.decode(next((r["generated"] for r in rows if r["method"] == "kvstreamd"), []))

@@ -10,13 +10,12 @@ time of each, and their ratio (the floor: <= 0.4 with three holders). Then a fet
 holders during which one of them is SIGKILLed halfway: every chunk must still arrive as KV."""
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import threading
 from pathlib import Path
 
-from . import prefilled_document, timed_fetch
+from . import prefilled_document, timed_fetch, write_json
 from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
 
@@ -84,9 +83,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level:
             star.down()
     report["floors"] = {"ratio": report["ratio"] <= RATIO_FLOOR, "complete": report["complete"],
                         "kill_costs_no_chunk": report["kill"]["lost_chunks"] == 0}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=1))
+    write_json(report, json_path)
     return report
 
 

@@ -26,7 +26,6 @@ largest magnitude is about one unit in the last place of it.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import statistics
 import tempfile
@@ -40,6 +39,8 @@ from tqdm import tqdm
 
 from codec import gpu, profile as profiles, rope
 from codec.parallel import CodecPool
+
+from . import write_json
 
 SOURCE_PROFILE = profiles.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile"
 ROPE_THETA = 500000.0  # Llama-3-8B's; the codec un-rotates with whatever the profile says
@@ -221,9 +222,7 @@ def run(layers: int = 32, heads: int = 8, head_dim: int = 128, tokens: int = 819
               "reps": reps, "runs": runs,
               "output_bytes": out_bytes, "compressed_bytes": sum(map(len, chunks)), "fit_tokens": fit_tokens,
               "encode_s": round(encode_s, 3), "source_profile": SOURCE_PROFILE.name}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    write_json(report, json_path)
     # After the JSON is written: a failing run leaves its evidence.
     if not identical:
         raise AssertionError("device symbols differ from the C library's")

@@ -15,13 +15,12 @@ and their ratio; the floor: <= 1.10. Between runs y is deleted from b and fetche
 (a user used it), so that b prefetches it again."""
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from . import prefilled_document, timed_fetch
+from . import prefilled_document, timed_fetch, write_json
 from ..keys import chunk_keys
 from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
@@ -109,9 +108,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level:
                 n.kill()
             link.down()
     report["floors"] = {"ratio": report["ratio"] <= RATIO_FLOOR, "overlapped": report["overlapped"]}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=1))
+    write_json(report, json_path)
     return report
 
 

@@ -31,7 +31,6 @@ minutes to fit: 64 eigendecompositions of 1024 x 1024)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -50,6 +49,7 @@ from codec import profile as profiles, rope
 from .. import client as client_mod
 from ..lab.daemons import DaemonProcess, wait_for
 from .gpu import ROPE_THETA, SOURCE_PROFILE, SyntheticKV
+from . import write_json
 
 GiB = 2**30
 SHAPES = {"small": (24, 2, 64), "llama8b": (32, 8, 128)}
@@ -450,9 +450,7 @@ def run(shapes: list[tuple[str, tuple[int, int, int]]] | None = None, tokens: di
               "total_s": round(time.perf_counter() - t_start, 1)}
     report["per_token"], report["floors"] = _floors(runs, per_token_shape)
     report["pass"] = all(f["pass"] for f in report["floors"].values())
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    write_json(report, json_path)
     return report
 
 

@@ -15,7 +15,7 @@ from transport import traces as tracegen
 
 from .. import models
 from ..lab import netns
-from . import stream_data
+from . import stream_data, write_json
 from .stream_peer import METHODS
 
 PORT = 9400
@@ -78,9 +78,7 @@ def _summary(method: str, bw: float | None, tokens: int, runs: list[dict], dppl:
 
 
 def _save(json_path: str | None, report: dict) -> None:
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    write_json(report, json_path)
 
 
 def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms: int | None = None,

@@ -22,7 +22,7 @@ from transport.bandwidth import BandwidthEstimator
 from transport.policy import fixed_rule
 from transport.send import send_chunks
 
-from . import link_peer_parser
+from . import link_peer_parser, write_json
 from ..lab import netns
 
 PORT = 9410
@@ -130,9 +130,7 @@ def run(bandwidth_mbit: float = 1000, runs: int = 5, mib: int = 256, chunk_mib: 
               "tls_version": results["tls"][0]["tls"], "cipher": results["tls"][0]["cipher"],
               "runs_mbit_s": {m: [round(x["mbit_s"], 1) for x in rs] for m, rs in results.items()}}
     report["within_10_percent"] = report["tls_over_plaintext"] >= 0.9
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    write_json(report, json_path)
     return report
 
 

@@ -26,14 +26,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from transport import aio
 from transport.bandwidth import BandwidthEstimator
 from transport.policy import fixed_rule
 from transport.send import MIN_WINDOW, send_chunks
 
-from . import link_peer_parser
+from . import link_peer_parser, write_json
 from ..lab import netns
 
 PORT = 9420  # the sender, on host a's loopback: reachable only through the relay
@@ -239,9 +238,7 @@ def run(bandwidth_mbit: float = 1000, delay_ms: float = 50, chunks: int = 16, ch
                            "runs_seconds": [round(x[name]["seconds"], 3) for x in rs]}
         report["windows"][mode] = entry
     report["floor_80_percent_warm"] = report["windows"]["bdp"]["warm"]["median_utilisation"] >= 0.8
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    write_json(report, json_path)
     return report
 
 
