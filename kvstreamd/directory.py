@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from codec import catalog
+
 
 Held = dict[bytes, frozenset[str]]  # chunk keys with the levels each is held at
 
@@ -159,13 +161,19 @@ class PeerDirectory(Directory):
         super().__init__(clock=clock)
         self.max_keys_per_peer = max_keys_per_peer  # None: no cap
         self._held: dict[str, dict[bytes, frozenset[str] | None]] = {}  # peer -> key -> levels (None: not said)
+        self._level_sets: dict[frozenset[str], frozenset[str]] = {}
 
     def add(self, peer: str, keys: Iterable[bytes], levels: Iterable[str] | None = None) -> int:
         """Keep `keys` as held by `peer` (at `levels`; None: not said), up to max_keys_per_peer
         of them; returns how many new keys were refused for the cap (0 when all were kept). A
         key advertised again takes the levels said last."""
         held = self._held.setdefault(peer, {})
-        lv = None if levels is None else frozenset(levels)
+        # the names this node knows, one frozenset per distinct set shared by every key held at it
+        # (so a peer's ADVERTISEs cost this node no more than its keys do)
+        lv = None
+        if levels is not None:
+            known = frozenset(lv for lv in levels if lv in catalog.SCHEMES)
+            lv = self._level_sets.setdefault(known, known)
         cap = self.max_keys_per_peer
         refused = 0
         for key in keys:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -83,6 +84,7 @@ class FetchOutcomes:
         self.path = path
         self.records: deque[Outcome] = deque(maxlen=max_records)
         self._lines = 0  # records in the file at `path`
+        self._lock = threading.Lock()  # add() runs in worker threads: one rotation and append at a time
         self._write_failed = False
         if path is not None:
             for p in (path.with_name(path.name + ".1"), path):
@@ -94,17 +96,23 @@ class FetchOutcomes:
                     log.warning("%s: cannot read (%s); its outcomes are not in the A/B report", p, e)
                     continue
                 self.records.extend(got)
-                self._lines = len(got)
+                if p == path:
+                    self._lines = len(got)  # (the rotated file's lines do not count towards the next rotation)
 
     def add(self, outcome: Outcome) -> None:
+        """Blocking (a file append): from the event loop, call it in a thread."""
+        with self._lock:
+            self._add(outcome)
+
+    def _add(self, outcome: Outcome) -> None:
         self.records.append(outcome)
         if self.path is None:
             return
         line = json.dumps(asdict(outcome), separators=(",", ":")) + "\n"
         try:
             if self._lines >= self.records.maxlen:
+                self._lines = 0  # (also where the file went meanwhile: then nothing is rotated)
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-                self._lines = 0
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line)
             self._lines += 1
@@ -115,4 +123,6 @@ class FetchOutcomes:
             self._write_failed = True
 
     def as_json(self) -> list[dict]:
-        return [asdict(r) for r in self.records]
+        with self._lock:  # (not while a worker thread appends)
+            records = list(self.records)
+        return [asdict(r) for r in records]

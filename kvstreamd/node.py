@@ -337,8 +337,8 @@ class Node:
             kv_tokens = p.found_tokens - text_tokens
             self._account(p, tokens, kv_tokens, text_tokens, total, res, arm)
             if p.found:
-                self.outcomes.add(Outcome.of(time.time(), arm, exp.label, total, res.deadline_missed, res.levels,
-                                             res.bytes, p.found_tokens))
+                await asyncio.to_thread(self.outcomes.add, Outcome.of(
+                    time.time(), arm, exp.label, total, res.deadline_missed, res.levels, res.bytes, p.found_tokens))
             await emit(events.End(
                 found_tokens=p.found_tokens, kv_tokens=kv_tokens, text_tokens=text_tokens, text_ranges=text_ranges,
                 prefill_from=p.found_tokens, prefill_tokens=len(tokens) - p.found_tokens, levels=res.levels,

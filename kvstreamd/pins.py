@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .chunkdir import fsync_dir
 from .keys import KEY_BYTES
 
 log = logging.getLogger("kvstreamd.pins")
@@ -106,8 +107,10 @@ class Pins:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            fsync_dir(path.parent)  # the rename itself survives a crash
         except OSError as e:
             log.warning("could not save the pins to %s: %s; they will not outlast a restart", path, e)
+            tmp.unlink(missing_ok=True)
             return False
         return True
 

@@ -93,7 +93,7 @@ async def plan(store: Store, directory: Directory, model_id: str, tokens: list[i
                 at = [held.levels_at(i) for i in range(local, found)] + [shorter.levels_at(k - 1)]
                 run = [held.of(i) for i in range(local, found)] + [shorter.of(k - 1)] if local <= found else []
                 held = Holders(keys, local, run, directory.cooling, {**held.addresses, **shorter.addresses},
-                               levels=at[:len(run)]).want(levels)
+                               {**held.zones, **shorter.zones}, at[:len(run)]).want(levels)
                 peers = held.longest_prefix(local)
                 found = max([local, *peers.values()])
                 break

@@ -218,6 +218,8 @@ class Prefetcher:
                     self.running = None
                 self.metrics.prefetches.labels(outcome).inc()
                 u = self.unused.get(ctx.id)
+                if u is not None and not u.sizes and outcome in ("not_held", "failed"):
+                    self.unused.pop(ctx.id)  # nothing of it stored: free to try again when it is next due
                 log.info("prefetch of %s (%d chunks): %s, %d chunks stored", ctx.id.hex()[:16], len(ctx.keys),
                          outcome, len(u.sizes) if u else 0)
 
@@ -237,9 +239,9 @@ class Prefetcher:
                 return "held"
             if entry is None:
                 entry = self.unused[ctx.id] = _Unused(local_before=local)
-                self._bound_unused()
+                await self._bound_unused()
             if holders is None or not holders.of(local):
-                holders = await self.directory.lookup(list(ctx.keys), local)
+                holders = (await self.directory.lookup(list(ctx.keys), local)).want(self.config().codec.levels)
             peer, end = holders.best(local)
             if peer is None:
                 return "not_held" if not entry.sizes else "failed"
@@ -321,20 +323,19 @@ class Prefetcher:
         return sum(n for u in self.unused.values() for k, n in u.sizes.items() if self.store.has(k))
 
     async def _drop(self, ctx_id: bytes) -> None:
-        """Delete an unused prefetch's chunks, last first (a chunk whose child stays is a prefix still)."""
+        """Delete an unused prefetch's chunks, last first, except those a context someone put,
+        fetched or pinned since still uses (a prefix of it, or pinned)."""
         u = self.unused[ctx_id]
-        for key in reversed(list(u.sizes)):
-            await asyncio.to_thread(self.store.delete, key)
+        await asyncio.to_thread(self.store.drop_unshared, list(u.sizes))
         u.sizes.clear()
 
-    def _bound_unused(self) -> None:
+    async def _bound_unused(self) -> None:
         """At most [prefetch] max_contexts unused prefetches are remembered; the oldest go
         (chunks and all: forgotten, they would stand outside the share)."""
         while len(self.unused) > self.config().prefetch.max_contexts:
             ctx_id = next(iter(self.unused))
-            u = self.unused.pop(ctx_id)
-            for key in reversed(list(u.sizes)):
-                self.store.delete(key)
+            await self._drop(ctx_id)
+            self.unused.pop(ctx_id, None)
 
     async def _room(self, cfg: Config, current: bytes, nbytes: int) -> bool:
         """Make room for nbytes more of prefetched chunks within the share, dropping the oldest

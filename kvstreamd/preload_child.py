@@ -28,6 +28,9 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
+LINE_LIMIT = 1 << 20  # the longest line read from the child (a traceback's, say); asyncio's default is 64 KiB
+
+
 class PreloadChild:
     def __init__(self, paths: tuple[Path, ...], model: str, socket: Path) -> None:
         self.argv = [sys.executable, "-m", "kvstreamd.cli", "preload", *map(str, paths), "--socket", str(socket),
@@ -46,7 +49,7 @@ class PreloadChild:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=child_env(os.environ))
+                stderr=asyncio.subprocess.PIPE, env=child_env(os.environ), limit=LINE_LIMIT)
         except OSError as e:
             self._error(f"cannot run {self.argv[0]}: {e}")
             self.state = "failed"

@@ -355,6 +355,26 @@ class Store:
         self._run_callbacks()
         return n
 
+    def drop_unshared(self, keys: Sequence[bytes]) -> int:
+        """Delete these chunks, last first, but not one that another held chunk still extends
+        (a prefix some context uses) or that a lasting pin holds: what a prefetch nobody used
+        gives back. Chunks a reader pins are deleted at their last unpin. Returns how many."""
+        n = 0
+        removed: list[bytes] = []
+        with self._lock:
+            for k in reversed(keys):
+                if (k not in self._meta or k in self._lasting
+                        or any(c not in self._doomed for c in self._children.get(k, ()))):
+                    continue
+                if self._pins[k]:
+                    self._doomed.add(k)
+                else:
+                    removed += self._delete_locked(k)
+                n += 1
+            self._queue(self._on_remove, removed)
+        self._run_callbacks()
+        return n
+
     def set_pin_budget(self, budget: int) -> None:
         """A new pin budget (SIGHUP). Pins held already stay, even over it; new ones must fit."""
         if budget < 0:

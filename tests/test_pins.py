@@ -184,3 +184,15 @@ async def test_unpin_through_the_api_ends_the_pin(inprocess, small_profile):
         with pytest.raises(ClientError) as e:
             await c.unpin(reply["keys"][-1])
     assert e.value.status == 404
+
+
+def test_giving_back_an_unused_prefetch_spares_a_pinned_context_and_a_prefix_another_chunk_extends(tmp_path):
+    """Store.drop_unshared, what a prefetch nobody used gives back: it must not take a context
+    someone pinned since, nor the first chunks of a longer context that extends it."""
+    s, ev, pinned = pinned_store(tmp_path, 64 * KIB, 64 * KIB, 8 * KIB, 2)
+    assert s.drop_unshared(keys(pinned)) == 0 and all(k in s for k in keys(pinned))
+    longer = make_context(n_chunks=3, seed=3)
+    for r in longer:
+        s.put(r)
+    assert s.drop_unshared(keys(longer)[:2]) == 0  # chunk 1 is extended by chunk 2: a prefix in use
+    assert s.drop_unshared(keys(longer)) == 3 and not any(k in s for k in keys(longer))

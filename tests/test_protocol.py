@@ -326,6 +326,8 @@ def test_every_message_round_trips_through_the_wire():
     ({"t": "PING", "t2": 1}, "missing field 'time'"),
     ({"t": "ADVERTISE", "keys": [K], "levels": []}, "ADVERTISE.levels"),
     ({"t": "ADVERTISE", "keys": [K], "levels": ["high", 3]}, "ADVERTISE.levels: item 1"),
+    ({"t": "ADVERTISE", "keys": [K], "levels": ["high"] * 17}, "ADVERTISE.levels: expected at most 16"),
+    ({"t": "ADVERTISE", "keys": [K], "levels": ["x" * 65]}, "ADVERTISE.levels: item 0: a level name of at most 64"),
     ({"t": 5}, "'t'"),
 ])
 def test_bad_fields_raise_bad_message_naming_the_field(wire, where):

@@ -200,8 +200,12 @@ class PeerConnection(asyncio.Protocol):
         fut = self._pings[t] = self._loop.create_future()
         if pad is None:  # a padded PING's round trip holds its transfer: no measure of the clocks
             self._ping_walls[t] = self._wall_clock()
-        await self._send(Ping(t, pad))
-        return sent, await fut  # (the clock's time, not the PING's: its PONG may come in the same tick)
+        try:
+            await self._send(Ping(t, pad))
+            return sent, await fut  # (the clock's time, not the PING's: its PONG may come in the same tick)
+        finally:  # answered, or given up on (a caller's timeout): either way no longer waited for
+            self._pings.pop(t, None)
+            self._ping_walls.pop(t, None)
 
     def close(self, code: str = NORMAL, msg: str = "") -> None:
         """Tell the peer why (an ERROR frame), flush, and close the socket."""

@@ -304,6 +304,21 @@ def _optional_key(v: Any) -> bytes | None:
     return None if v is None else _key(v)
 
 
+MAX_LEVELS = 16  # names in an ADVERTISE's levels, each of at most MAX_LEVEL_NAME bytes: what a
+MAX_LEVEL_NAME = 64  # peer makes a node keep per key is bounded like the keys themselves
+
+
+def _levels(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    if len(_list(v, _str, 1)) > MAX_LEVELS:
+        raise ValueError(f"expected at most {MAX_LEVELS} levels, got {len(v)}")
+    for n, x in enumerate(v):
+        if len(x.encode()) > MAX_LEVEL_NAME:
+            raise ValueError(f"item {n}: a level name of at most {MAX_LEVEL_NAME} bytes, got {len(x.encode())}")
+    return v
+
+
 def _native(v: Any, depth: int = 0) -> None:
     # caps travel back out (logs, the API), so only plain msgpack values are accepted
     if depth > 8:
@@ -333,7 +348,7 @@ def _caps(v: Any) -> dict:
 _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Hello: {"proto": _uint, "node_id": check_node_id, "caps": _caps, "nonce": _nonce},
     Auth: {"proof": _bytes},
-    Advertise: {"keys": lambda v: _list(v, _key), "levels": lambda v: None if v is None else _list(v, _str, 1)},
+    Advertise: {"keys": lambda v: _list(v, _key), "levels": _levels},
     Withdraw: {"keys": lambda v: _list(v, _key)},
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
             "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
