@@ -13,6 +13,7 @@ import redis
 from conftest import synthetic_kv
 from kvstreamd.client import AsyncClient
 from kvstreamd.lab import redisserver
+from kvstreamd.lab.daemons import seconds_until
 from kvstreamd.lab.redisserver import RedisServer
 
 ok, why = redisserver.available()
@@ -37,14 +38,6 @@ def client(d) -> AsyncClient:
     return AsyncClient(d.cfg.api.socket, timeout=60)
 
 
-def held_in_redis(server: RedisServer, node: str, keys: list[str]) -> bool:
-    r = redis.Redis(port=server.port)
-    try:
-        return all(node.encode() in r.smembers(f"{PREFIX}chunk:{k}") for k in keys)
-    finally:
-        r.close()
-
-
 async def until(what: str, predicate, timeout: float = 10.0, interval: float = 0.05):
     t0 = time.monotonic()
     while not (value := await predicate()):
@@ -52,14 +45,6 @@ async def until(what: str, predicate, timeout: float = 10.0, interval: float = 0
             raise TimeoutError(what)
         await asyncio.sleep(interval)
     return value
-
-
-def evalsha_calls(server: RedisServer) -> int:
-    r = redis.Redis(port=server.port)
-    try:
-        return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
-    finally:
-        r.close()
 
 
 async def test_a_context_put_on_one_node_is_found_and_fetched_by_another_that_dials_it_only_to_fetch(
@@ -74,13 +59,13 @@ async def test_a_context_put_on_one_node_is_found_and_fetched_by_another_that_di
         async def found():
             return (await cb.lookup(MODEL, tokens))["peers"] == {"a": 600}
         await until("b never found a's context in Redis", found, timeout=1.0)
-        assert held_in_redis(server, "a", put["keys"]), "a's chunks are published under its node id"
+        assert server.holds(PREFIX, "a", put["keys"]), "a's chunks are published under its node id"
         assert time.monotonic() - t0 < 1.0
         assert a.peers.connected() == [] and b.peers.connected() == []  # found without a connection
 
-        calls = evalsha_calls(server)
+        calls = server.calls("evalsha")
         await cb.lookup(MODEL, tokens)
-        assert evalsha_calls(server) == calls + 1, "a prompt's key chain is one round trip"
+        assert server.calls("evalsha") == calls + 1, "a prompt's key chain is one round trip"
         held = await b.directory.lookup([bytes.fromhex(k) for k in put["keys"]])
         assert held.addresses == {"a": f"127.0.0.1:{a.peers.port}"} and held.zones == {"a": "core"}
 
@@ -160,7 +145,7 @@ async def test_redis_going_away_fails_no_fetch_the_local_store_or_a_known_peer_c
         t0 = time.monotonic()
 
         async def republished():
-            return held_in_redis(server, "b", put["keys"]) and held_in_redis(server, "a", _keys(a, tokens_a))
+            return server.holds(PREFIX, "b", put["keys"]) and server.holds(PREFIX, "a", _keys(a, tokens_a))
         await until("the keys were not back in Redis within 5 s", republished, timeout=5.0)
         assert time.monotonic() - t0 < 5.0
         assert (await cb.health())["status"] == "ok"
@@ -201,16 +186,6 @@ def _fetch_sources(d, tokens) -> list[tuple[str, str]]:
         return [(ev.kind, ev.source) for ev in f]
 
 
-def _wait(what: str, predicate, timeout: float, interval: float = 0.02) -> float:
-    """Seconds until predicate() held; TimeoutError past timeout."""
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(what)
-        time.sleep(interval)
-    return time.monotonic() - t0
-
-
 def test_sixteen_daemons_on_one_redis_find_each_other_connect_only_to_fetch_and_ride_out_a_redis_restart(
         tmp_path, small_profile, server):
     from conftest import synthetic_daemon
@@ -228,8 +203,8 @@ def test_sixteen_daemons_on_one_redis_find_each_other_connect_only_to_fetch_and_
         t0 = time.monotonic()
         for n in nodes:  # every other one finds it, within 1 s of the put's reply
             if n is not holder:
-                _wait(f"{n.name} did not find the context", lambda: n.client().lookup(MODEL, ctx)["peers"] == {"n03": 600},
-                      timeout=1.0)
+                seconds_until(lambda: n.client().lookup(MODEL, ctx)["peers"] == {"n03": 600}, timeout=1.0,
+                              what=f"{n.name} finding the context")
         assert time.monotonic() - t0 < 1.0
         assert all(n.client().status()["peers_connected"] == [] for n in nodes), "lookups need no peer connection"
 
@@ -239,14 +214,14 @@ def test_sixteen_daemons_on_one_redis_find_each_other_connect_only_to_fetch_and_
 
         ctx2 = list(range(6000, 6512))
         other.client().put(MODEL, ctx2, synthetic_kv(512, seed=9).half())
-        _wait("n09 did not find n05's context", lambda: nodes[9].client().lookup(MODEL, ctx2)["peers"] == {"n05": 512},
-              timeout=1.0)
+        seconds_until(lambda: nodes[9].client().lookup(MODEL, ctx2)["peers"] == {"n05": 512}, timeout=1.0,
+                      what="n09 finding n05's context")
 
-        _wait("the fetcher did not publish the chunks it kept to serve onward",
-              lambda: nodes[0].client().lookup(MODEL, ctx)["peers"] == {"n03": 600, "n07": 600}, timeout=2.0)
+        seconds_until(lambda: nodes[0].client().lookup(MODEL, ctx)["peers"] == {"n03": 600, "n07": 600}, timeout=2.0,
+                      what="the fetcher publishing the chunks it kept to serve onward")
         holder.kill()  # SIGKILL: its lease is not given back; it runs out
-        gone = _wait("the killed host stayed in lookups",
-                     lambda: nodes[0].client().lookup(MODEL, ctx)["peers"] == {"n07": 600}, timeout=LEASE_S + 1)
+        gone = seconds_until(lambda: nodes[0].client().lookup(MODEL, ctx)["peers"] == {"n07": 600},
+                             timeout=LEASE_S + 1, what="the killed host leaving lookups")
         assert gone <= LEASE_S
 
         server.stop()
@@ -258,13 +233,12 @@ def test_sixteen_daemons_on_one_redis_find_each_other_connect_only_to_fetch_and_
         assert put3["stored_chunks"] == 1
         time.sleep(max(0.0, 10.0 - (time.monotonic() - outage_t0)))  # Redis is away for 10 s
         server.start()
-        back = _wait("keys were not back in Redis",
-                     lambda: held_in_redis(server, "n05", _chunk_keys(ctx2)) and held_in_redis(server, "n12", put3["keys"]),
-                     timeout=5.0)
-        found = _wait("n00 did not find the outage's put", lambda: nodes[0].client().lookup(MODEL, ctx3)["peers"] == {"n12": 256},
-                      timeout=5.0 - back)
+        back = seconds_until(lambda: server.holds(PREFIX, "n05", _chunk_keys(ctx2)) and server.holds(PREFIX, "n12", put3["keys"]),
+                             timeout=5.0, what="the keys being back in Redis")
+        found = seconds_until(lambda: nodes[0].client().lookup(MODEL, ctx3)["peers"] == {"n12": 256},
+                              timeout=5.0 - back, what="n00 finding the outage's put")
         assert back + found < 5.0
-        assert not held_in_redis(server, "n03", _chunk_keys(ctx)), "the killed host's lease did not come back"
+        assert not server.holds(PREFIX, "n03", _chunk_keys(ctx)), "the killed host's lease did not come back"
     finally:
         for n in nodes:
             n.kill()

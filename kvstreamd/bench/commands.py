@@ -135,6 +135,19 @@ def _bench_prefetch(args: argparse.Namespace) -> int:
     return 0 if all(report["floors"].values()) else 1
 
 
+def _bench_directory(args: argparse.Namespace) -> int:
+    from . import directory as bench
+
+    try:
+        report = bench.run(daemons=args.daemons, puts=args.puts, lease_s=args.lease_s, outage_s=args.outage_s,
+                           json_path=args.json)
+    except ValueError as e:
+        print(f"kvstreamd bench directory: {e}", file=sys.stderr)
+        return 2
+    _report(bench.table(report), args.json)
+    return 0 if all(report["floors"].values()) else 1
+
+
 def _bench_scale(args: argparse.Namespace) -> int:
     import functools
 
@@ -236,6 +249,15 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     bp.add_argument("--model", default=None, help="model to prefill with (default: SmolLM2-135M)")
     bp.add_argument("--json", default="bench-out/prefetch.json")
     bp.set_defaults(func=_bench_prefetch)
+
+    bd = bsub.add_parser("directory", help="the Redis directory with N daemon processes on one redis-server: "
+                                           "seconds to find a put, to drop a killed host, to recover a restart")
+    bd.add_argument("--daemons", type=int, default=16)
+    bd.add_argument("--puts", type=int, default=5, help="contexts put, each on a different node")
+    bd.add_argument("--lease-s", type=float, default=10.0, help="the daemons' [directory] lease_s")
+    bd.add_argument("--outage-s", type=float, default=10.0, help="seconds redis-server stays stopped")
+    bd.add_argument("--json", default="bench-out/directory.json")
+    bd.set_defaults(func=_bench_directory)
 
     bg = bsub.add_parser("gpu", help="GPU decode throughput and exactness on a synthetic 7B-sized context")
     bg.add_argument("--layers", type=int, default=32)

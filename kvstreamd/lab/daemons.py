@@ -141,3 +141,15 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str 
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} not met within {timeout} s")
+
+
+def seconds_until(predicate, timeout: float = 30.0, interval: float = 0.02, what: str = "condition",
+                  since: float | None = None) -> float:
+    """Seconds from `since` (a time.monotonic(); default now) until predicate() held, polled every
+    `interval`; TimeoutError once `timeout` has passed since then."""
+    t0 = time.monotonic() if since is None else since
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{what} not met within {timeout} s")
+        time.sleep(interval)
+    return time.monotonic() - t0

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import redis
+
 from .daemons import free_port
 
 
@@ -51,6 +53,22 @@ class RedisServer:
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
             return False
+
+    def holds(self, prefix: str, node: str, keys: list[str]) -> bool:
+        """Whether the directory under `prefix` lists `node` as a holder of every chunk key (hex)."""
+        r = redis.Redis(port=self.port)
+        try:
+            return all(node.encode() in r.smembers(f"{prefix}chunk:{k}") for k in keys)
+        finally:
+            r.close()
+
+    def calls(self, command: str) -> int:
+        """How many times this server has run `command` (e.g. "evalsha") since it started."""
+        r = redis.Redis(port=self.port)
+        try:
+            return int(r.info("commandstats").get(f"cmdstat_{command.lower()}", {}).get("calls", 0))
+        finally:
+            r.close()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
