@@ -32,7 +32,7 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import daemon
+    from kvstreamd.node import daemon
     return daemon.run(args.config)
 
 
@@ -59,7 +59,7 @@ def _guard(fn):
 
 def _doctor(args: argparse.Namespace) -> int:
     """The checklist for slow first tokens; exit 0 / 1 / 2 for ok / warn / fail."""
-    from . import doctor
+    from kvstreamd.ops import doctor
     checks = doctor.run(_client(args), args.probe_bytes, args.probe_timeout)
     if args.json:
         _print(doctor.to_json(checks))
@@ -96,16 +96,16 @@ def _peers(args: argparse.Namespace) -> int:
 
 @_guard
 def _ab_report(args: argparse.Namespace) -> int:
-    from . import ab_report, fetch_outcomes
+    from kvstreamd.ops import ab_report, outcomes as outcome_log
 
     if args.source:
         try:
-            outcomes = fetch_outcomes.read_file(Path(args.source))
+            outcomes = outcome_log.read_file(Path(args.source))
         except OSError as e:
             print(f"kvstreamd ab report: --from {args.source}: {e.strerror or e}", file=sys.stderr)
             return 2
     else:
-        outcomes = [fetch_outcomes.Outcome.from_json(o) for o in _client(args).ab()["outcomes"]]
+        outcomes = [outcome_log.Outcome.from_json(o) for o in _client(args).ab()["outcomes"]]
     report = ab_report.compare(outcomes, args.experiment, seed=args.seed)
     if args.json:
         _print(report)
@@ -140,7 +140,7 @@ def _put(args: argparse.Namespace) -> int:
 @_guard
 def _preload(args: argparse.Namespace) -> int:
     """Prefill documents and store them pinned (kvstreamd/preload.py); 1 if any failed."""
-    from . import preload
+    from kvstreamd.ops import preload
     outcomes = preload.run(args.paths, args.model, _client(args), progress=not args.quiet)
     return 1 if any(o.outcome == "failed" for o in outcomes) else 0
 

@@ -32,7 +32,7 @@ from codec import layout
 from codec.layout import PrefixKV
 
 from . import events
-from .shm import Attached, Segment, ShmError
+from kvstreamd.handoff.shm import Attached, Segment, ShmError
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # The most KV one put request hands over: a longer context goes as several requests of whole
@@ -87,7 +87,7 @@ class _FetchState:
             self._parts = ev.parts or [{"layers": list(range(L)), "start": 0, "window": None}]
             flat = (layout.parts_numel(self._parts, n, H, D),)
             if ev.buffer and ev.cuda_ipc:  # decoded on the daemon's GPU: map its memory
-                from .cuda_ipc import CudaAttached
+                from kvstreamd.handoff.cuda_ipc import CudaAttached
                 self._att = CudaAttached.open(ev.cuda_ipc, flat, ev.dtype, torch.device(ev.device).index or 0)
             elif ev.buffer:
                 self._att = Attached.open(ev.buffer, flat, ev.dtype)

@@ -67,7 +67,7 @@ async def inprocess(tmp_path, small_profile):
     coding with the small synthetic profile (or the one given as `profile=`). All are stopped
     at the end."""
     from kvstreamd import config as config_mod
-    from kvstreamd.daemon import Daemon
+    from kvstreamd.node.daemon import Daemon
     from kvstreamd.lab.daemons import DaemonProcess
 
     profile_path = tmp_path / "synthetic.kvprofile"

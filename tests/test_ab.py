@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstreamd import ab_report
+from kvstreamd.ops import ab_report
 from kvstreamd.client import AsyncClient
 from kvstreamd.config import ConfigError, load
 from kvstreamd.experiment import CANDIDATE, CONTROL, Experiment
-from kvstreamd.fetch_outcomes import FetchOutcomes, Outcome, read_file
+from kvstreamd.ops.outcomes import FetchOutcomes, Outcome, read_file
 from transport import aio, messages
 from transport.messages import BAD_MESSAGE, Fetch
 

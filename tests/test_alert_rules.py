@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import synthetic_kv
-from kvstreamd import health
+from kvstreamd.ops import health
 from kvstreamd.client import AsyncClient, ClientError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -179,7 +179,7 @@ async def test_fetch_streams_ndjson_start_then_a_chunk_per_chunk_then_end(inproc
     assert end["levels"] == [c["level"] for c in chunks] and end["errors"] == []
     assert set(end["timings"]) >= {"total_s", "receive_s", "decode_s", "fill_s"}
     # the buffer holds the KV until released; this raw client never mapped it
-    from kvstreamd.shm import Attached
+    from kvstreamd.handoff.shm import Attached
     with Attached.open(start["buffer"], tuple(start["shape"]), "float16") as att:
         for c in chunks:
             want = codec.decode(codec.encode(kv[:, :, c["start"]:c["end"]].contiguous(), c["level"], small_profile,
@@ -286,7 +286,7 @@ async def test_a_put_whose_shape_is_not_the_models_for_its_tokens_is_bad_shape(i
 
 
 async def test_a_put_naming_a_segment_that_cannot_be_mapped_is_bad_buffer(inprocess):
-    from kvstreamd.shm import Segment
+    from kvstreamd.handoff.shm import Segment
 
     (a,) = await inprocess(["a"])
     small = Segment.create(16)  # far smaller than [3, 2, 2, 2, 8] fp16

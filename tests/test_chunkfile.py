@@ -11,10 +11,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvstreamd import chunkfile
-from kvstreamd.chunkfile import ChunkFileError, ChunkRecord
-from kvstreamd.keys import chunk_keys
-from kvstreamd.store import Store
+from kvstreamd.store import chunkfile
+from kvstreamd.store.chunkfile import ChunkFileError, ChunkRecord
+from kvstreamd.store.keys import chunk_keys
+from kvstreamd.store.store import Store
 
 DATA = Path(__file__).parent / "data"
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

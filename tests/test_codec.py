@@ -344,7 +344,7 @@ def test_decode_into_writes_the_chunk_where_the_buffer_holds_it_and_nothing_else
     every byte around the range untouched. A chunk of another shape is refused before any
     write, and so is a view whose (layer, K/V) planes are not contiguous."""
     from codec.errors import CodecError
-    from kvstreamd.shm import Segment
+    from kvstreamd.handoff.shm import Segment
 
     kv = synthetic_kv(64, 8)  # float32: decoded in float32, written as the buffer's fp16
     data = codec.encode(kv, "high", small_profile, start=64)

@@ -2,8 +2,8 @@
 (kvstreamd/directory.py), and the ADVERTISEs a node sends of what it holds (kvstreamd/peers.py)."""
 from __future__ import annotations
 
-from kvstreamd.directory import PeerDirectory
-from kvstreamd.peers import ADVERTISE_BATCH, advertisements
+from kvstreamd.cluster.directory import PeerDirectory
+from kvstreamd.cluster.peers import ADVERTISE_BATCH, advertisements
 
 K = [bytes([i]) * 32 for i in range(4)]
 ALL = frozenset({"high", "balanced", "fast"})

@@ -157,7 +157,7 @@ async def _peers_are(c: AsyncClient, tokens, want) -> bool:
 
 
 def _keys(d, tokens) -> list[str]:
-    from kvstreamd.keys import chunk_keys
+    from kvstreamd.store.keys import chunk_keys
     return [k.hex() for k in chunk_keys(MODEL, tokens, d.cfg.codec.chunk_tokens)]
 
 
@@ -245,5 +245,5 @@ def test_sixteen_daemons_on_one_redis_find_each_other_connect_only_to_fetch_and_
 
 
 def _chunk_keys(tokens) -> list[str]:
-    from kvstreamd.keys import chunk_keys
+    from kvstreamd.store.keys import chunk_keys
     return [k.hex() for k in chunk_keys(MODEL, tokens, 256)]

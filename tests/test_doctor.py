@@ -18,13 +18,13 @@ import torch
 import codec
 from codec import profile as profiles
 from conftest import synthetic_daemon, synthetic_kv
-from kvstreamd import doctor
+from kvstreamd.ops import doctor
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.coder import PRIOR_MBPS_PER_WORKER
-from kvstreamd.keys import chunk_keys
+from kvstreamd.store.keys import chunk_keys
 from kvstreamd.metrics import Metrics
-from kvstreamd.recent_errors import RecentErrors
-from kvstreamd.chunkfile import decode as read_chunk, encode as write_chunk
+from kvstreamd.metrics import RecentErrors
+from kvstreamd.store.chunkfile import decode as read_chunk, encode as write_chunk
 from kvstreamd.lab.daemons import wait_for
 from transport import aio
 from transport.messages import Advertise

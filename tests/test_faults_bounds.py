@@ -21,9 +21,9 @@ import torch
 import codec
 from codec import baselines
 from conftest import SMALL, synthetic_daemon
-from kvstreamd.admission import Refused, Wanted, admit
+from kvstreamd.cluster.admission import Refused, Wanted, admit
 from kvstreamd.client import AsyncClient
-from kvstreamd.keys import KEY_BYTES
+from kvstreamd.store.keys import KEY_BYTES
 from kvstreamd.lab.daemons import DaemonProcess
 from test_node_fetch import (MODEL, SECRET, TEXT, ScriptedPeer, bounds, client, connected, context, decoded,
                              encoded, events_of, keys_of, sees, serve_chunks, stored, until)

@@ -19,7 +19,7 @@ import pytest
 from conftest import SMALL, synthetic_daemon, synthetic_kv
 from kvstreamd.client import AsyncClient, Client, ClientError
 from kvstreamd.lab.daemons import wait_for
-from kvstreamd.shm import Segment
+from kvstreamd.handoff.shm import Segment
 
 MODEL = "synthetic-test-model"
 CHUNK = 256  # the inprocess fixture's chunk_tokens

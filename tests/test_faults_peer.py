@@ -12,9 +12,9 @@ import signal
 import time
 
 from kvstreamd.client import AsyncClient
-from kvstreamd.directory import PeerDirectory
+from kvstreamd.cluster.directory import PeerDirectory
 from kvstreamd.lab.daemons import DaemonProcess
-from kvstreamd.pipeline import grace_s
+from kvstreamd.node.fetch import grace_s
 from test_node_fetch import (MODEL, SECRET, ScriptedPeer, client, connected, context, encoded, events_of,
                              keys_of, sees, serve_chunks, until)
 from transport.messages import Fetch

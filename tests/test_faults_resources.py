@@ -20,7 +20,7 @@ import codec
 from conftest import synthetic_daemon, synthetic_kv
 from kvstreamd import config as config_mod
 from kvstreamd.client import AsyncClient, ClientError
-from kvstreamd.daemon import Daemon
+from kvstreamd.node.daemon import Daemon
 from kvstreamd.lab.daemons import wait_for
 
 MODEL = "synthetic-test-model"

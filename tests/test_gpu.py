@@ -247,13 +247,13 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     (what a fetch with device "cuda" gets on a GPU host), here on the CPU: same chunks, same
     events, and a chunk that does not decode becomes TEXT."""
     from kvstreamd.coder import Coder
-    from kvstreamd.directory import PeerDirectory
+    from kvstreamd.cluster.directory import PeerDirectory
     from kvstreamd.metrics import Metrics
     from codec.layout import PrefixKV
-    from kvstreamd.pipeline import FetchJob, plan
-    from kvstreamd.chunkfile import ChunkRecord
-    from kvstreamd.keys import chunk_keys
-    from kvstreamd.store import Store
+    from kvstreamd.node.fetch import FetchJob, plan
+    from kvstreamd.store.chunkfile import ChunkRecord
+    from kvstreamd.store.keys import chunk_keys
+    from kvstreamd.store.store import Store
 
     p = small_profile
     kv = synthetic_kv(80, seed=9).to(torch.float16)

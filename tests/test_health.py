@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import synthetic_kv
-from kvstreamd import health
+from kvstreamd.ops import health
 from kvstreamd.client import AsyncClient
 
 MODEL = "synthetic-test-model"

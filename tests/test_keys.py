@@ -2,7 +2,7 @@
 change here strands every stored chunk and splits the cluster."""
 from __future__ import annotations
 
-from kvstreamd.keys import KEY_BYTES, chunk_key, chunk_keys, prefix_keys
+from kvstreamd.store.keys import KEY_BYTES, chunk_key, chunk_keys, prefix_keys
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2**32 - 1]

@@ -1,6 +1,7 @@
 """The layout is the architecture: dependencies point one way (kvstreamd -> transport -> codec),
-the daemon never imports its test and benchmark harness, no module imports itself round a
-circle, and a file grows past ~500 lines only with its reason in its docstring."""
+each room of kvstreamd imports only the rooms its row of ROOMS names, the daemon never imports
+its test and benchmark harness, no module imports itself round a circle, and a file grows past
+~500 lines only with its reason in its docstring."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +12,33 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("codec", "transport", "kvstreamd")
 LONG = 500
+
+# Each room of kvstreamd and the rooms of kvstreamd it may import (besides itself). "base" is the
+# package's top-level modules but client and cli; the harness is models/, lab/ and bench/.
+BASE = "base"
+ROOMS = {
+    "store": set(),
+    "handoff": set(),
+    BASE: {BASE},
+    "client": {BASE, "handoff"},
+    "cluster": {BASE, "store"},
+    "ops": {BASE, "store", "cluster", "client", "models"},
+    "node": {BASE, "store", "handoff", "client", "cluster", "ops"},
+    "models": {BASE, "client", "models"},
+    "lab": {BASE, "client", "store", "handoff", "cluster", "ops", "models", "lab"},
+    "bench": {BASE, "client", "store", "handoff", "cluster", "ops", "models", "lab", "bench"},
+}
+
+
+def room(module: str) -> str | None:
+    """The room of a kvstreamd module: its subpackage, `client`, or BASE; None outside kvstreamd
+    and for the package itself and the CLI (the entry point, which may import anything)."""
+    parts = module.split(".")
+    if parts[0] != "kvstreamd" or len(parts) == 1 or parts[1] == "cli":
+        return None
+    if (ROOT / "kvstreamd" / parts[1]).is_dir():
+        return parts[1]
+    return "client" if parts[1] == "client" else BASE
 
 
 def modules() -> dict[str, Path]:
@@ -60,6 +88,24 @@ def test_dependencies_point_one_way(graph):
            if a.startswith("codec") and not b.startswith("codec")
            or a.startswith("transport") and b.startswith("kvstreamd")]
     assert not bad, f"imports against the layering: {bad}"
+
+
+def test_every_room_of_kvstreamd_has_a_row():
+    rooms = {p.name for p in (ROOT / "kvstreamd").iterdir() if (p / "__init__.py").exists()}
+    assert rooms | {BASE, "client"} == set(ROOMS), "a room without an import rule, or a rule without a room"
+
+
+def test_each_room_imports_only_what_its_row_allows(graph):
+    bad = []
+    for a, deps in graph.items():
+        ra = room(a)
+        if ra is None:
+            continue
+        for b in deps:
+            rb = room(b)
+            if rb is not None and rb != ra and rb not in ROOMS[ra]:
+                bad.append(f"{a} ({ra}) -> {b} ({rb})")
+    assert not bad, "imports against the rooms' rules:\n" + "\n".join(bad)
 
 
 def test_the_daemon_never_imports_its_harness(graph):

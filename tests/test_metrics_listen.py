@@ -10,7 +10,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstreamd import config, daemon
+from kvstreamd import config
+
+from kvstreamd.node import daemon
 from kvstreamd.config import ConfigError
 
 

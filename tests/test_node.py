@@ -63,7 +63,7 @@ async def test_metrics_answer_while_a_gpu_fetch_buffer_is_held(inprocess):
     """GET /metrics sums the bytes of every buffer held for a client, whatever memory it is in.
     A CUDA buffer is held here without its device allocation (this machine has no GPU): what
     the gauge reads of it is the part under test."""
-    from kvstreamd.cuda_ipc import CudaBuffer
+    from kvstreamd.handoff.cuda_ipc import CudaBuffer
 
     (a,) = await inprocess(["a"])
     buf = CudaBuffer.__new__(CudaBuffer)  # the allocation (cudaMalloc) needs a GPU; nothing else does

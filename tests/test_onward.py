@@ -10,7 +10,7 @@ import torch
 
 from conftest import synthetic_kv
 from kvstreamd.client import AsyncClient
-from kvstreamd.keys import chunk_keys
+from kvstreamd.store.keys import chunk_keys
 
 MODEL = "synthetic-test-model"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvstreamd.client import AsyncClient, ClientError
-from kvstreamd.pins import PinRefused
-from kvstreamd.store import Store
+from kvstreamd.store.pins import PinRefused
+from kvstreamd.store.store import Store
 from test_store import KIB, Events, chunk_file, make_context, open_store
 
 from conftest import synthetic_kv

@@ -17,11 +17,11 @@ import pytest
 
 from conftest import synthetic_daemon, synthetic_kv
 from kvstreamd.client import AsyncClient
-from kvstreamd.keys import chunk_keys
+from kvstreamd.store.keys import chunk_keys
 from kvstreamd.config import ConfigError, load
 from kvstreamd.lab import netns
 from kvstreamd.lab.daemons import wait_for
-from kvstreamd.prefetch import CoAccess, Context
+from kvstreamd.cluster.prefetch import CoAccess, Context
 
 MODEL = "synthetic-test-model"
 LEVEL = "fp16"  # one level, sized exactly: the store budgets below count whole documents

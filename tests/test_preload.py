@@ -10,10 +10,10 @@ import re
 import pytest
 
 from codec import profile as profiles
-from kvstreamd import preload
+from kvstreamd.ops import preload
 from kvstreamd.lab import corpus
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
-from kvstreamd.preload_child import child_env
+from kvstreamd.ops.preload_child import child_env
 
 from conftest import synthetic_daemon, synthetic_kv
 

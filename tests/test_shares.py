@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from kvstreamd.shares import Shares, level_tier, needed_level
+from kvstreamd.cluster.shares import Shares, level_tier, needed_level
 
 LADDER = ["high", "balanced", "fast"]
 

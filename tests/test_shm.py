@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstreamd.shm import DTYPES, PREFIX, Attached, Reader, Segment, ShmError, sweep_stale
+from kvstreamd.handoff.shm import DTYPES, PREFIX, Attached, Reader, Segment, ShmError, sweep_stale
 
 REPO = Path(__file__).resolve().parents[1]
 SHM_DIR = Path("/dev/shm")
@@ -96,7 +96,7 @@ def test_child_attaches_reads_writes_and_segment_survives_its_exit():
             seg.tensor((4, 64), dtname).view(INT[dt]).view(-1).copy_(bits(dt, n, i).view(INT[dt]))
         child = BITS_SRC + """
 import sys
-from kvstreamd import shm
+from kvstreamd.handoff import shm
 for i, arg in enumerate(sys.argv[1:]):
     dtname, name = arg.split(":")
     dt = shm.DTYPES[dtname]
@@ -154,7 +154,7 @@ def test_child_creates_parent_attaches_child_exits(track):
     track=False: the name outlives it until sweep_stale sees the dead pid."""
     child = BITS_SRC + """
 import sys
-from kvstreamd import shm
+from kvstreamd.handoff import shm
 track = sys.argv[2] == "1"
 seg = shm.Segment.create(3 * 50 * 2, prefix=sys.argv[1], track=track)
 seg.tensor((3, 50), "bfloat16").view(torch.int16).copy_(bits(torch.bfloat16, 150, 5).view(torch.int16).view(3, 50))
@@ -198,7 +198,7 @@ print("OK", flush=True)
 
 TRAP2_CHILD = """
 import gc, sys, torch
-from kvstreamd import shm
+from kvstreamd.handoff import shm
 
 def mapped(name):
     with open("/proc/self/maps") as f:
@@ -562,7 +562,7 @@ def test_sweep_stale_default_prefix_and_shm_dir(tmp_path):
 
 TRUNCATE_THEN_READ = """
 import os, sys
-from kvstreamd import shm
+from kvstreamd.handoff import shm
 with shm.Segment.create(64 * 4096, prefix=sys.argv[1], track=False) as seg:
     print(seg.name, flush=True)  # the test removes it if this process dies
     seg.tensor((64 * 1024,), "float32").fill_(1.0)

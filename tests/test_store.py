@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstreamd.chunkfile import ChunkRecord
-from kvstreamd.keys import chunk_key, chunk_keys
-from kvstreamd.store import ContextInfo, Store, StoreError
+from kvstreamd.store.chunkfile import ChunkRecord
+from kvstreamd.store.keys import chunk_key, chunk_keys
+from kvstreamd.store.store import ContextInfo, Store, StoreError
 
 KIB = 1024
 LEVELS = ("high", "balanced", "fast")

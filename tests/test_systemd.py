@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstreamd import sdnotify
+from kvstreamd.ops import sdnotify
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "kvstreamd.service"

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from kvstreamd.tier import Tier
+from kvstreamd.store.tier import Tier
 
 
 def key(i: int) -> bytes:

@@ -365,7 +365,7 @@ async def test_plaintext_says_at_start_up_what_it_does_not_protect(inprocess, ca
 
 
 async def test_tls_files_that_do_not_load_stop_start_up_with_one_line(tmp_path, pki, caplog, small_profile):
-    from kvstreamd import daemon
+    from kvstreamd.node import daemon
     from kvstreamd.lab.daemons import DaemonProcess
 
     a = pki["a"]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from . import prefilled_document, timed_fetch, write_json
-from ..keys import chunk_keys
+from kvstreamd.store.keys import chunk_keys
 from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from codec import catalog
-from kvstreamd.keys import chunk_keys
+from kvstreamd.store.keys import chunk_keys
 from kvstreamd.lab import netns
 from transport import aio
 from transport.bandwidth import BandwidthEstimator

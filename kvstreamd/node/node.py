@@ -18,23 +18,25 @@ from codec.errors import CodecError
 from codec.parallel import WorkerLost
 from codec.profile import Profile
 
-from . import __version__, diagnosis, events, health
-from .buffers import FetchBuffer, HostBuffer
-from .config import Config
-from .coder import Coder
-from .directory import Directory
-from .events import FetchRequest
-from .experiment import CANDIDATE, CONTROL, Experiment
-from .fetch_outcomes import FILE_NAME as OUTCOMES_FILE, FetchOutcomes, Outcome
-from .metrics import Metrics
-from .peers import PeerManager
-from .pipeline import FetchJob, plan
-from .prefetch import Prefetcher
-from .shm import Reader as SegmentReader, ShmError
-from .chunkfile import ChunkRecord
-from .keys import chunk_keys
-from .pins import PinRefused
-from .store import NO_ROOM, Store, StoreError
+from kvstreamd import __version__, events
+
+from kvstreamd.ops import diagnosis, health
+from kvstreamd.handoff.buffers import FetchBuffer, HostBuffer
+from kvstreamd.config import Config
+from kvstreamd.coder import Coder
+from kvstreamd.cluster.directory import Directory
+from kvstreamd.events import FetchRequest
+from kvstreamd.experiment import CANDIDATE, CONTROL, Experiment
+from kvstreamd.ops.outcomes import FILE_NAME as OUTCOMES_FILE, FetchOutcomes, Outcome
+from kvstreamd.metrics import Metrics
+from kvstreamd.cluster.peers import PeerManager
+from kvstreamd.node.fetch import FetchJob, plan
+from kvstreamd.cluster.prefetch import Prefetcher
+from kvstreamd.handoff.shm import Reader as SegmentReader, ShmError
+from kvstreamd.store.chunkfile import ChunkRecord
+from kvstreamd.store.keys import chunk_keys
+from kvstreamd.store.pins import PinRefused
+from kvstreamd.store.store import NO_ROOM, Store, StoreError
 
 log = logging.getLogger("kvstreamd.node")
 
@@ -390,7 +392,7 @@ class Node:
 
     async def _allocate(self, shape, dtype: str, on_gpu: bool) -> FetchBuffer:
         if on_gpu:
-            from .cuda_ipc import CudaBuffer
+            from kvstreamd.handoff.cuda_ipc import CudaBuffer
             return await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index)
         return HostBuffer.create(shape, dtype)
 

@@ -35,7 +35,7 @@ from typing import BinaryIO, Callable, Mapping
 
 import msgpack
 
-from .keys import KEY_BYTES, chunk_key, tokens_bytes
+from kvstreamd.store.keys import KEY_BYTES, chunk_key, tokens_bytes
 
 MAGIC = b"KVCF"
 VERSION = 2

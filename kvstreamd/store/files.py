@@ -18,8 +18,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import chunkfile
-from .chunkfile import ChunkFileError, ChunkRecord, Header
+from kvstreamd.store import chunkfile
+from kvstreamd.store.chunkfile import ChunkFileError, ChunkRecord, Header
 
 log = logging.getLogger("kvstreamd.store")
 

@@ -20,18 +20,22 @@ from aiohttp import web
 
 from codec.segments import SEG_PREFIX as CODEC_SEG_PREFIX
 
-from . import __version__, metrics_listener, sdnotify
-from . import config as config_mod
-from .api import make_app
-from .coder import Coder
-from .config import Config, ConfigError
-from .directory import Directory, PeerDirectory
-from .metrics import Metrics, set_level, setup_logging
-from .node import Node
-from .peers import PeerManager
-from .preload_child import PreloadChild
-from .shm import sweep_stale
-from .store import Store
+from kvstreamd import __version__
+
+
+from kvstreamd.ops import sdnotify
+from kvstreamd import config as config_mod
+from kvstreamd.node import api
+from kvstreamd.node.api import make_app
+from kvstreamd.coder import Coder
+from kvstreamd.config import Config, ConfigError
+from kvstreamd.cluster.directory import Directory, PeerDirectory
+from kvstreamd.metrics import Metrics, set_level, setup_logging
+from kvstreamd.node.node import Node
+from kvstreamd.cluster.peers import PeerManager
+from kvstreamd.ops.preload_child import PreloadChild
+from kvstreamd.handoff.shm import sweep_stale
+from kvstreamd.store.store import Store
 
 log = logging.getLogger("kvstreamd.daemon")
 
@@ -60,7 +64,7 @@ def resolve_device(setting: str) -> tuple[torch.device | None, str]:
 def make_directory(cfg: Config, metrics: Metrics) -> Directory:
     """The [directory] backend."""
     if cfg.directory.backend == "redis":
-        from .redis_directory import RedisDirectory  # redis-py only where it is used
+        from kvstreamd.cluster.redis_directory import RedisDirectory  # redis-py only where it is used
         return RedisDirectory(cfg.directory, metrics)
     return PeerDirectory(cfg.peer.max_keys_per_peer)
 
@@ -181,7 +185,7 @@ class Daemon:
 
     async def _start_metrics_listener(self, host: str, port: int) -> None:
         try:
-            self._metrics_runner = await metrics_listener.start(self.node, host, port)
+            self._metrics_runner = await api.start_metrics_listener(self.node, host, port)
         except OSError as e:
             raise StartupError(f"[api] metrics_listen {host}:{port}: {e.strerror or e}") from None
         self.metrics_address = self._metrics_runner.addresses[0][:2]

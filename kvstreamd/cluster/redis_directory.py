@@ -37,9 +37,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from .config import DirectoryConfig
-from .directory import Directory, Held, Holders
-from .metrics import Metrics
+from kvstreamd.config import DirectoryConfig
+from kvstreamd.cluster.directory import Directory, Held, Holders
+from kvstreamd.metrics import Metrics
 
 log = logging.getLogger("kvstreamd.directory")
 

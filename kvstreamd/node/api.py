@@ -53,12 +53,12 @@ from aiohttp import web
 
 from codec import catalog
 
-from . import events
-from .diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
-from .events import FetchRequest
-from .metrics import new_request_id
-from .node import RequestError
-from .shm import DTYPES
+from kvstreamd import events
+from kvstreamd.ops.diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
+from kvstreamd.events import FetchRequest
+from kvstreamd.metrics import new_request_id
+from kvstreamd.node.node import RequestError
+from kvstreamd.handoff.shm import DTYPES
 
 log = logging.getLogger("kvstreamd.api")
 
@@ -373,3 +373,20 @@ def make_app(node: Node) -> web.Application:
     app.router.add_post("/v1/pins", pin)
     app.router.add_delete("/v1/pins/{key}", unpin)
     return app
+
+
+# [api] metrics_listen: GET /metrics over TCP for a Prometheus server to scrape, read-only; the API
+# itself stays on the Unix socket.
+async def start_metrics_listener(node: Node, host: str, port: int) -> web.AppRunner:
+    """Listening on host:port (port 0: a free one, in runner.addresses) until runner.cleanup()."""
+    app = web.Application()
+    app[NODE] = node
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    return runner

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .chunkdir import fsync_dir
-from .keys import KEY_BYTES
+from kvstreamd.store.files import fsync_dir
+from kvstreamd.store.keys import KEY_BYTES
 
 log = logging.getLogger("kvstreamd.pins")
 FILE_VERSION = 1

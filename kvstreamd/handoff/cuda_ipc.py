@@ -17,8 +17,8 @@ import secrets
 
 import torch
 
-from .buffers import nbytes_of
-from .shm import DTYPES
+from kvstreamd.handoff.buffers import nbytes_of
+from kvstreamd.handoff.shm import DTYPES
 
 
 def _as_torch(ptr: int, nbytes: int, owner, device: int, shape, dtype: str) -> torch.Tensor:

@@ -10,8 +10,8 @@ from typing import Iterable
 
 import numpy as np
 
-from .experiment import ARMS, CANDIDATE, CONTROL
-from .fetch_outcomes import Outcome
+from kvstreamd.experiment import ARMS, CANDIDATE, CONTROL
+from kvstreamd.ops.outcomes import Outcome
 
 RESAMPLES = 2000  # bootstrap resamples: the CI's ends move by well under 1% of its width between seeds
 CONFIDENCE = 0.95

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .shm import DTYPES, Segment, ShmError
+from kvstreamd.handoff.shm import DTYPES, Segment, ShmError
 
 log = logging.getLogger("kvstreamd.buffers")
 

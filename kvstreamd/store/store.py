@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from . import chunkfile
-from .chunkdir import ChunkDir
-from .chunkfile import ChunkFileError, ChunkRecord
-from .pins import Pin, Pins
-from .tier import Tier
+from kvstreamd.store import chunkfile
+from kvstreamd.store.files import ChunkDir
+from kvstreamd.store.chunkfile import ChunkFileError, ChunkRecord
+from kvstreamd.store.pins import Pin, Pins
+from kvstreamd.store.tier import Tier
 
 log = logging.getLogger("kvstreamd.store")
 

@@ -14,15 +14,15 @@ from codec.errors import CodecError
 from transport import aio
 from transport.bandwidth import CLOCK_TICK, MIN_SAMPLE_BYTES, Probe, crossing_s
 
-from .coder import MIN_TIMED_MB
-from .recent_errors import RecentErrors, is_damaged_chunk
+from kvstreamd.coder import MIN_TIMED_MB
+from kvstreamd.metrics import RecentErrors, is_damaged_chunk
 
 if TYPE_CHECKING:
     import torch
 
-    from .coder import Coder
-    from .peers import PeerManager
-    from .store import Store
+    from kvstreamd.coder import Coder
+    from kvstreamd.cluster.peers import PeerManager
+    from kvstreamd.store.store import Store
 
 WINDOW_S = 3600  # "in the last hour"
 PROBE_BYTES = Probe().size  # what a sender probes a new link with: large enough to see past a socket buffer

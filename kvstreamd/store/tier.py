@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Iterator, Mapping
 
-from .chunkfile import ChunkRecord
+from kvstreamd.store.chunkfile import ChunkRecord
 
 
 class Tier:

@@ -22,11 +22,11 @@ from codec.profile import Profile
 from transport.policy import DEFAULT_RULE, RULES, TEXT, fixed_rule
 from transport.send import send_chunks
 
-from . import offer
-from .config import ConfigError, PeerConfig, parse_hostport
-from .directory import Directory, Held, PeerDirectory
-from .metrics import Metrics, new_request_id
-from .store import Store
+from kvstreamd.cluster import serving
+from kvstreamd.config import ConfigError, PeerConfig, parse_hostport
+from kvstreamd.cluster.directory import Directory, Held, PeerDirectory
+from kvstreamd.metrics import Metrics, new_request_id
+from kvstreamd.store.store import Store
 
 log = logging.getLogger("kvstreamd.peers")
 
@@ -376,8 +376,8 @@ class PeerManager:
         held = next((i for i, r in enumerate(recs) if r is None or none_asked(r)), len(recs))
         cuts = self._cuts(recs[:held], fetch.prefix_tokens)
         coded = [lv for lv in asked if any(lv in r.levels for r in recs[:held])]
-        level_of = offer.nearest_held(recs, coded)
-        sizes, held = offer.coded_sizes(recs[:held], cuts, coded, level_of)
+        level_of = serving.nearest_held(recs, coded)
+        sizes, held = serving.coded_sizes(recs[:held], cuts, coded, level_of)
         missing = None
         if held < len(recs):
             r = recs[held]

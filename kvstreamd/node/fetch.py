@@ -28,15 +28,15 @@ from transport import aio
 from transport.messages import BAD_CRC, NOT_FOUND
 from transport.policy import TEXT
 
-from . import events
-from .admission import Refused, Wanted, admit
-from .coder import Coder
-from .directory import Directory, Holders
-from .metrics import Metrics
-from .peers import PeerManager
-from .keys import chunk_keys, prefix_keys
-from .shares import Shares, level_tier, needed_level
-from .store import Store
+from kvstreamd import events
+from kvstreamd.cluster.admission import Refused, Wanted, admit
+from kvstreamd.coder import Coder
+from kvstreamd.cluster.directory import Directory, Holders
+from kvstreamd.metrics import Metrics
+from kvstreamd.cluster.peers import PeerManager
+from kvstreamd.store.keys import chunk_keys, prefix_keys
+from kvstreamd.cluster.shares import Shares, level_tier, needed_level
+from kvstreamd.store.store import Store
 
 log = logging.getLogger("kvstreamd.pipeline")
 

@@ -23,14 +23,14 @@ from codec import bitstream as bs, catalog
 from codec.errors import CodecError
 from transport import aio
 
-from .admission import Refused, Wanted, admit
-from .chunkfile import ChunkRecord
-from .coder import Coder
-from .config import Config
-from .directory import Directory
-from .metrics import Metrics, new_request_id
-from .peers import PeerManager
-from .store import Store, StoreError
+from kvstreamd.cluster.admission import Refused, Wanted, admit
+from kvstreamd.store.chunkfile import ChunkRecord
+from kvstreamd.coder import Coder
+from kvstreamd.config import Config
+from kvstreamd.cluster.directory import Directory
+from kvstreamd.metrics import Metrics, new_request_id
+from kvstreamd.cluster.peers import PeerManager
+from kvstreamd.store.store import Store, StoreError
 
 log = logging.getLogger("kvstreamd.prefetch")
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .client import Client, ClientError
+from kvstreamd.client import Client, ClientError
 
 
 @dataclass
@@ -52,7 +52,7 @@ def documents(paths: Iterable[str | Path]) -> tuple[list[Path], list[Outcome]]:
 
 def preload_one(client: Client, lm, path: Path) -> Outcome:
     """Store one document pinned (prefilling it only when the daemon does not hold it whole)."""
-    from . import models
+    from kvstreamd import models
 
     t0 = time.perf_counter()
     try:
@@ -85,7 +85,7 @@ def run(paths: list[str], model: str | None, client: Client, progress: bool = Tr
     JSON line, the paths that name no document first (before the model loads)."""
     from tqdm import tqdm
 
-    from . import models
+    from kvstreamd import models
 
     docs, outcomes = documents(paths)
     for o in outcomes:
