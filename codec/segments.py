@@ -3,7 +3,7 @@ encode and decode travel in segments the pool keeps and reuses (an arena), and a
 write straight into a segment of the caller's (a Destination: the fetch buffer)."""
 from __future__ import annotations
 
-import _posixshmem  # CPython's shm_open/shm_unlink, as kvstreamd/shm.py uses them
+import _posixshmem  # CPython's shm_open/shm_unlink, as kvstreamd/handoff/shm.py uses them
 import mmap
 import os
 import secrets

@@ -139,7 +139,7 @@ def _put(args: argparse.Namespace) -> int:
 
 @_guard
 def _preload(args: argparse.Namespace) -> int:
-    """Prefill documents and store them pinned (kvstreamd/preload.py); 1 if any failed."""
+    """Prefill documents and store them pinned (kvstreamd/ops/preload.py); 1 if any failed."""
     from kvstreamd.ops import preload
     outcomes = preload.run(args.paths, args.model, _client(args), progress=not args.quiet)
     return 1 if any(o.outcome == "failed" for o in outcomes) else 0

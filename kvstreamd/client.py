@@ -14,7 +14,11 @@ A hybrid model's sliding layers hold only their window of the prefix: `f.prefix`
 codec.layout.PrefixKV) has the KV as each layer holds it, for every model; `f.kv` is its one
 `[L, 2, T, H, D]` tensor where every layer holds every token.
 
-`AsyncClient` has the same methods as coroutines (fetch is an async iterator)."""
+`AsyncClient` has the same methods as coroutines (fetch is an async iterator).
+
+The file is long (~540 lines) because it is both clients, `Client` and `AsyncClient`, over one
+fetch state (`_FetchState`), each with every route; one shared request builder over the API's
+route table would shorten it."""
 from __future__ import annotations
 
 import contextlib

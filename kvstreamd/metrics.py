@@ -36,8 +36,8 @@ def new_request_id() -> str:
 # cannot tell an old burst from a fresh one.
 KEEP = 4096  # events kept: past it the oldest go, and a window reaching before them says so
 # A chunk a peer sent that is damaged: its crc does not match on the wire (chunk_bad_crc), it is
-# not the chunk asked for by its header (chunk_refused_<check>, kvstreamd/admission.py), or
-# its bitstream does not decode (decode; kvstreamd/pipeline.py names all three).
+# not the chunk asked for by its header (chunk_refused_<check>, kvstreamd/cluster/admission.py), or
+# its bitstream does not decode (decode; kvstreamd/node/fetch.py names all three).
 DAMAGED_CHUNK_KINDS = ("chunk_bad_crc", "decode")
 DAMAGED_CHUNK_PREFIX = "chunk_refused_"
 

@@ -1,6 +1,6 @@
 """The alerting rules and dashboard (deploy/): promtool (Debian's `prometheus` package) checks the
 rules and runs their unit tests, every alert is tested firing and not firing, the thresholds
-they compare against are those of kvstreamd/health.py, and every metric the rules and the
+they compare against are those of kvstreamd/ops/health.py, and every metric the rules and the
 dashboard name is in a live daemon's GET /metrics. Fails, never skips, without promtool."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The built-in directory's bookkeeping of who holds which chunk at which levels
-(kvstreamd/directory.py), and the ADVERTISEs a node sends of what it holds (kvstreamd/peers.py)."""
+(kvstreamd/cluster/directory.py), and the ADVERTISEs a node sends of what it holds (kvstreamd/cluster/peers.py)."""
 from __future__ import annotations
 
 from kvstreamd.cluster.directory import PeerDirectory

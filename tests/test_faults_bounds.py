@@ -1,5 +1,5 @@
 """What a peer sends is bounded and bound to what was asked (issue 13, classes 3 and 4): a
-chunk is admitted (kvstreamd/admission.py) only at a level the fetch asked for, as the chunk of
+chunk is admitted (kvstreamd/cluster/admission.py) only at a level the fetch asked for, as the chunk of
 the key asked, and with a header that declares the plan's chunk -- its token range, a profile
 of the fetch's model, its shape, and for zstd its decompressed size -- before any of it is
 decoded or sized; a chunk key is 32 bytes; and one peer's ADVERTISEs are kept up to

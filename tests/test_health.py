@@ -1,4 +1,4 @@
-"""The health thresholds (kvstreamd/health.py) as GET /v1/status and `kvstreamd status` show
+"""The health thresholds (kvstreamd/ops/health.py) as GET /v1/status and `kvstreamd status` show
 them: ok / warn past a bound with what to check, "no data" before there is any, judged over
 the node's own latest fetches. Daemons in the test's event loop, the CLI as a real process."""
 from __future__ import annotations

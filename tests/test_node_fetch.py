@@ -424,7 +424,7 @@ async def test_a_chunk_of_the_wrong_shape_becomes_text_and_its_holder_is_not_ask
     async with client(b) as cb:
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             events = await events_of(f)
-        # refused from its header, before decoding (kvstreamd/admission.py): that holder is not
+        # refused from its header, before decoding (kvstreamd/cluster/admission.py): that holder is not
         # trusted for the rest of the fetch, so chunk 2 comes as TEXT too
         assert [ev.kind for ev in events] == ["kv", "text", "text"]
         assert f.end.text_ranges == [[256, 512], [512, 600]]

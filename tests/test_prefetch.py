@@ -1,4 +1,4 @@
-"""Predictive prefetch (kvstreamd/prefetch.py): the successor table, and two real daemon
+"""Predictive prefetch (kvstreamd/cluster/prefetch.py): the successor table, and two real daemon
 processes replaying a recorded access pattern (user visits that read documents in a fixed
 order), first with prefetch off, then on: the fetching node's local hit rate at least doubles.
 Over a tbf-shaped link between network namespaces, a prefetch in flight yields the link to a

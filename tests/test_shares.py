@@ -1,4 +1,4 @@
-"""The split of one fetch's chunks among the peers holding them (kvstreamd/shares.py): pure
+"""The split of one fetch's chunks among the peers holding them (kvstreamd/cluster/shares.py): pure
 bookkeeping, driven here by hand and by random runs of arrivals and failures."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar
 PROTO = 1  # the major protocol version; compatible changes add fields or caps, never bump it
 NONCE_BYTES = 32
 MAX_NODE_ID_BYTES = 255
-KEY_BYTES = 32  # a chunk key is a blake2b-256 digest (kvstreamd/keys.py); no other length is one
+KEY_BYTES = 32  # a chunk key is a blake2b-256 digest (kvstreamd/store/keys.py); no other length is one
 
 # Error codes. Connection-level ERRORs (req absent) close the connection, except UNKNOWN_TYPE;
 # an ERROR with a req ends only that request. docs/protocol.md lists when each is sent.

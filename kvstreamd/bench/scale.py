@@ -27,7 +27,10 @@ the angles of s). Every chunk is coded on its own, so a copy costs what a fresh 
 encode, store, send and decode, and the store keys chunks by their tokens (all distinct), not
 their contents. Generating each chunk afresh takes minutes per GiB on two cores. Fitted
 profiles are cached under $XDG_CACHE_HOME/kvstreamd/bench-scale/ (Llama-3-8B's shape takes
-minutes to fit: 64 eigendecompositions of 1024 x 1024)."""
+minutes to fit: 64 eigendecompositions of 1024 x 1024).
+
+The file is long (~510 lines) because a synthetic 100K-token context has to be made, put, fetched
+and measured on two cores within minutes, and each trick for that sits next to its reason."""
 from __future__ import annotations
 
 import hashlib

@@ -12,7 +12,7 @@
     GET    /v1/peers                 configured and connected peers
     POST   /v1/peers/probe           {bytes?, timeout_s?} -> {"peers": [...]}: each connected peer
                                      probed at once (round trip, bandwidth with `bytes` of padding,
-                                     clock offset), within timeout_s (kvstreamd/diagnosis.py)
+                                     clock offset), within timeout_s (kvstreamd/ops/diagnosis.py)
     GET    /v1/doctor                what `kvstreamd doctor` needs besides: errors in the last hour,
                                      damaged chunks, stored models' profiles, decode rate
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer

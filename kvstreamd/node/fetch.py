@@ -9,7 +9,10 @@ Whatever the peers do, a fetch ends within its deadline plus grace_s(deadline): 
 waited for until the deadline plus half the grace, the other half is for what was received to
 decode and fill. A peer that sends nothing for `stall_s` while it is waited for has stalled:
 its FETCH is cancelled on the wire, its chunks come from another holder (while time is left)
-or as TEXT, and the directory leaves it out of lookups for a cooldown."""
+or as TEXT, and the directory leaves it out of lookups for a cooldown.
+
+The file is long (~570 lines) because plan, the three stages and the hand-off of a stalled
+holder's chunks share one FetchJob's state; each stage reads the same queues and counters."""
 from __future__ import annotations
 
 import asyncio
