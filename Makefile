@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench-codec install clean
+.PHONY: test test-fast demo bench-codec install clean
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The inner loop: every test but the `system` ones (daemon processes, namespaces, the real model, servers).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not system"
 
 demo: $(STAMP)
 	$(VENV)/bin/kvstreamd demo $(DEMO_ARGS)

@@ -28,6 +28,17 @@ class Scheme:
     # guesses a chunk's size from before any holder has sent it; None: not measured
     ratio: float | None = None
 
+    @property
+    def is_level(self) -> bool:
+        """A CacheGen-family bitstream (entropy-coded, decoded by codec.decode), not a baseline."""
+        return self.kind == "level"
+
+
+def is_level(name: str) -> bool:
+    """Whether `name` is one of the codec's levels (False for a baseline, TEXT or an unknown name)."""
+    scheme = SCHEMES.get(name)
+    return scheme is not None and scheme.is_level
+
 
 # Δppl over 768 scored tokens is noisy to about ±0.3 points: int8 measures -0.09% and high +0.31%
 # (at KL 0.00102, less than half of balanced's 0.00233, whose Δppl is +0.22%). Both count as 0,

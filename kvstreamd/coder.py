@@ -121,7 +121,7 @@ class Coder:
 
     def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int) -> bytes:
         """Blocking: one chunk at one level (named codec level or baseline scheme)."""
-        if catalog.get(level).kind == "baseline":
+        if not catalog.get(level).is_level:
             return baselines.SCHEMES[level].encode(kv)
         return self.pool.encode(kv, level, profile, start)
 
@@ -130,7 +130,7 @@ class Coder:
         scheme = catalog.SCHEMES.get(level)
         if scheme is None:
             raise CodecError(f"unknown level {level!r}")
-        if scheme.kind == "baseline":
+        if not scheme.is_level:
             return baselines.SCHEMES[level].decode(payload)
         try:
             with self._shares.timed() as share:
@@ -145,7 +145,7 @@ class Coder:
         """Blocking: decode into `out`, a view of `base` (the shared-memory segment `segment`
         as one tensor); the codec workers write there directly. CodecError as for decode()."""
         scheme = catalog.SCHEMES.get(level)
-        if scheme is None or scheme.kind == "baseline":  # decode() refuses the one, codes the other in-process
+        if scheme is None or not scheme.is_level:  # decode() refuses the one, codes the other in-process
             kv = self.decode(level, payload)
             if tuple(kv.shape) != tuple(out.shape):
                 raise CodecError(f"chunk is {list(kv.shape)}, its destination {list(out.shape)}")

@@ -12,6 +12,25 @@ from codec import profile as profiles
 
 SMALL = dict(layers=3, heads=2, head_dim=8)
 
+# What makes a test a `system` test (pyproject.toml's markers): a fixture that starts a daemon in
+# the test's loop (its codec pool spawns a worker that imports torch) or loads the real model, or
+# a file whose tests start daemon processes, network namespaces or real servers.
+SYSTEM_FIXTURES = {"lm", "inprocess"}
+SYSTEM_FILES = {
+    "test_ab.py", "test_alert_rules.py", "test_bench_directory.py", "test_bench_gpu.py", "test_bench_scale.py",
+    "test_codec_model.py", "test_corpus.py", "test_daemon.py", "test_daemon_netns.py", "test_directory_redis.py",
+    "test_doctor.py", "test_e2e.py", "test_fanout.py", "test_faults_bounds.py", "test_faults_client.py",
+    "test_faults_peer.py", "test_faults_resources.py", "test_gemma.py", "test_metrics_listen.py",
+    "test_model_folder.py", "test_models.py", "test_netns.py", "test_prefetch.py", "test_preload.py",
+    "test_stream_bench.py", "test_systemd.py", "test_tls.py", "test_window.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SYSTEM_FILES or SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.system)
+
 
 def synthetic_kv(tokens: int, seed: int = 0, layers=SMALL["layers"], heads=SMALL["heads"],
                  head_dim=SMALL["head_dim"]) -> torch.Tensor:

@@ -28,3 +28,9 @@ def test_an_unknown_name_is_named():
     import pytest
     with pytest.raises(ValueError, match="unknown level 'ultra'"):
         catalog.get("ultra")
+
+
+def test_is_level_tells_the_codec_levels_from_baselines_text_and_unknown_names():
+    assert all(catalog.is_level(n) for n in ("high", "balanced", "fast", "cachegen-paper"))
+    assert not any(catalog.is_level(n) for n in ("fp16", "int8", "zstd-fp16", "kivi2", catalog.TEXT, "nonsense"))
+    assert [n for n, s in catalog.SCHEMES.items() if s.is_level] == [n for n in catalog.SCHEMES if catalog.is_level(n)]

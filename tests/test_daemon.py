@@ -389,6 +389,7 @@ def test_a_fetch_asking_for_the_gpu_says_why_not_and_uses_shared_memory(cluster,
         check_fetched(f, kv, model_id)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not gpu.available()[0], reason=f"needs an NVIDIA GPU with CuPy: {gpu.available()[1]}")
 def test_a_fetch_on_the_gpu_hands_over_device_memory(cluster, context):
     """device="cuda": decoded on the daemon's GPU (three CUDA streams), handed over by CUDA IPC."""

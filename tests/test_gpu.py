@@ -202,6 +202,7 @@ def test_gpu_unavailable_is_said_not_hidden():
 # -- on a GPU -----------------------------------------------------------------------------------
 
 @needs_gpu
+@pytest.mark.gpu
 def test_kernel_symbols_are_bit_identical_to_the_cpu_library(context, small_profile):
     chunks, _ = context
     dec = gpu.device_decoder(small_profile, "cuda")
@@ -212,6 +213,7 @@ def test_kernel_symbols_are_bit_identical_to_the_cpu_library(context, small_prof
 
 
 @needs_gpu
+@pytest.mark.gpu
 def test_gpu_decode_matches_the_cpu_codec(context, small_profile):
     chunks, ref = context
     out = gpu.device_decoder(small_profile, "cuda").decode_many(chunks)
@@ -220,6 +222,7 @@ def test_gpu_decode_matches_the_cpu_codec(context, small_profile):
 
 
 @needs_gpu
+@pytest.mark.gpu
 def test_gpu_decode_rejects_a_damaged_stream(context, small_profile):
     chunks, _ = context
     with pytest.raises(codec.CodecError, match="chunk 0"):

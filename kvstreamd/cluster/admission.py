@@ -58,7 +58,7 @@ def admit(payload: bytes | memoryview, level: str, chunk: Wanted, key: bytes | N
     if key is not None and key != chunk.key:
         raise Refused("wrong_key", f"it is the chunk of key {key.hex()[:16]}, not of the key asked, "
                                    f"{chunk.key.hex()[:16]}")
-    if catalog.SCHEMES[level].kind == "baseline":
+    if not catalog.SCHEMES[level].is_level:
         _baseline(payload, level, chunk)
     else:
         _bitstream(payload, level, chunk)

@@ -285,7 +285,7 @@ class Prefetcher:
                 if not hasattr(msg, "payload"):
                     return "failed"  # TEXT: the holder could not send it in time; the rest would not chain
                 admit(msg.payload, msg.level, Wanted.of(list(ctx.keys), list(ctx.bounds), j, prof, levels), msg.key)
-                if catalog.SCHEMES[msg.level].kind == "level":
+                if catalog.SCHEMES[msg.level].is_level:
                     bs.unpack(msg.payload, check_crc=True)  # never decoded here: its CRC is checked instead
                 nbytes += len(msg.payload)
                 if not await self._room(cfg, ctx.id, len(msg.payload)):

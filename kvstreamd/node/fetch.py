@@ -431,7 +431,7 @@ class FetchJob:
         """On a GPU: parse the chunk into pinned memory and start its upload on the receive
         stream as it arrives, so that it overlaps the decode of the chunk before it. A chunk
         that does not parse is left for the decode stage, which turns it into TEXT."""
-        if self.stages is None or item.kind != "kv" or catalog.get(item.level).kind != "level":
+        if self.stages is None or item.kind != "kv" or not catalog.is_level(item.level):
             return
         try:
             item.staged = await asyncio.to_thread(self.stages.receive, item.payload)
@@ -466,7 +466,7 @@ class FetchJob:
             if item.kind == "kv":
                 with busy:
                     try:
-                        if self.stages is not None and catalog.get(item.level).kind == "level":
+                        if self.stages is not None and catalog.is_level(item.level):
                             item.kv = await asyncio.to_thread(self._decode_on_device, item)
                         elif (dest := self._destination(item.i)) is not None:
                             await asyncio.to_thread(self.coder.decode_into, item.level, item.payload, dest, *self.segment)

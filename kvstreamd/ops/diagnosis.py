@@ -78,7 +78,7 @@ async def _measure_decode(store: Store, coder: Coder, contexts: list) -> str | N
             rec = await asyncio.to_thread(store.get, key)
             if rec is None:
                 break
-            level = next((lv for lv in rec.levels if lv in catalog.SCHEMES and catalog.SCHEMES[lv].kind == "level"),
+            level = next((lv for lv in rec.levels if catalog.is_level(lv)),
                          None)
             if level is not None and math.prod(rec.shape) * 2 / 1e6 > MIN_TIMED_MB:
                 t0 = time.monotonic()
