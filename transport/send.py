@@ -9,7 +9,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from .bandwidth import CLOCK_TICK, BandwidthEstimator, Probe, crossing_s
+from .bandwidth import BandwidthEstimator, Probe
+from .delivery import DeliveryClock
 from .policy import TEXT, Rule
 from .requests import DEFAULT_MAX_BUFFERED_BYTES
 from .sender import FetchSender
@@ -102,13 +103,10 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     sender = FetchSender(served.req, chunks, sizes, max(served.remaining() * 1000, 1.0), loop.time(),
                          rule, estimator, work_s, dppl)
     coded = 0
-    busy = 0.0
-    inflight: dict[int, tuple[float, int]] = {}  # chunk -> (when written, wire bytes)
+    clock = DeliveryClock(started)
     recent: deque[int] = deque(maxlen=8)  # wire bytes of the latest chunks written
-    run: deque[tuple[float, float, int]] = deque()  # (began, ACKed, bytes): latest chunks that crossed back to back
     windows: list[int] = []
     most = 0
-    last_ack = started
     stopped_at = None
 
     def current_rtt() -> float | None:
@@ -126,37 +124,14 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
         return window_chunks(estimator.estimate(), current_rtt(), sum(recent) / len(recent))
 
     def acknowledged(ack, acked_at: float) -> None:
-        nonlocal busy, last_ack
-        sent_at, nbytes = inflight.pop(ack.i)
-        # Its bytes went onto the link once the chunk before it had crossed (its ACK) or, where
-        # the link was idle a while, one round trip after its write (as for the probe:
-        # crossing_s): the delivery counts from then, not from when it was written.
-        base = min(max(sent_at, last_ack), acked_at)
-        rtt = current_rtt() or 0.0
-        if sent_at + rtt > base:
-            began, back_to_back = acked_at - min(acked_at - base, crossing_s(acked_at - sent_at, rtt)), False
-        else:
-            began, back_to_back = base, sent_at <= last_ack
-        busy += acked_at - began
-        # ACKs of chunks that crossed back to back can arrive bunched (a fetcher or a relay that
-        # read several at once, late): timed over the run of such chunks, up to a window of them
-        # (no more can bunch), the rate is what the link carried, however the ACKs were spread
-        # inside the run. The run starts at a chunk that took time of its own to cross: one
-        # ACKed in the same instant as the chunk before it crossed earlier than it seems.
-        if not back_to_back:
-            run.clear()
-        run.append((began, acked_at, nbytes))
-        while len(run) > current_window() or (len(run) > 1 and run[0][1] - run[0][0] < CLOCK_TICK):
-            run.popleft()
-        rate = sum(n for _, _, n in run) / max(acked_at - run[0][0], CLOCK_TICK)
-        sender.on_ack(ack.i, nbytes, acked_at - nbytes / rate, acked_at)
-        last_ack = max(last_ack, acked_at)
+        d = clock.on_ack(ack.i, acked_at, rtt=current_rtt(), window=current_window())
+        sender.on_ack(ack.i, d.nbytes, acked_at - d.nbytes / d.rate, acked_at)
 
     try:
         while True:
             while not served.acks.empty():  # every ACK so far, before the next level is chosen
                 acknowledged(*served.acks.get_nowait())
-            if stopped_at is None and len(inflight) < (w := current_window()) \
+            if stopped_at is None and clock.in_flight < (w := current_window()) \
                     and (nxt := sender.next_chunk(loop.time())) is not None:
                 i, level = nxt
                 if level_of is not None and level != TEXT:
@@ -175,12 +150,12 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                     coded += nbytes
                 if on_sent is not None:
                     on_sent(i, level, nbytes)
-                inflight[i] = (sent_at, nbytes)
+                clock.on_sent(i, nbytes, sent_at)
                 recent.append(nbytes)
                 windows.append(w)
-                most = max(most, len(inflight))
+                most = max(most, clock.in_flight)
                 continue
-            if not inflight:
+            if not clock.in_flight:
                 break
             acknowledged(*await served.acks.get())
     finally:
@@ -190,9 +165,9 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
             elif not pinging.cancelled():
                 pinging.exception()  # a PING lost with the connection: the loop's own error says so
     if stopped_at is not None:
-        return Sent(sender, coded, busy, started, False, stopped_at=stopped_at, max_inflight=most,
+        return Sent(sender, coded, clock.busy_s, started, False, stopped_at=stopped_at, max_inflight=most,
                     windows=tuple(windows))
     missed = sender.deadline_missed(loop.time())
     if chunks == len(served.fetch.keys):
         await served.end(deadline_missed=missed)
-    return Sent(sender, coded, busy, started, missed, max_inflight=most, windows=tuple(windows))
+    return Sent(sender, coded, clock.busy_s, started, missed, max_inflight=most, windows=tuple(windows))
