@@ -189,7 +189,7 @@ class Fetch(_FetchState):
         name = self._detach(_unwinding)
         self._conn.close()
         if name:
-            self._client._call("DELETE", f"/v1/buffers/{name}", ok_missing=True)
+            self._client._call(*request("release_buffer", name=name), ok_missing=True)
 
     def __enter__(self) -> "Fetch":
         return self
@@ -240,36 +240,36 @@ class Client:
         return json.loads(raw) if resp.headers.get_content_type() == "application/json" else raw.decode()
 
     def health(self) -> dict:
-        return self._call("GET", "/healthz")
+        return self._call(*request("healthz"))
 
     def status(self) -> dict:
-        return self._call("GET", "/v1/status")
+        return self._call(*request("status"))
 
     def metrics(self) -> str:
-        return self._call("GET", "/metrics")
+        return self._call(*request("metrics"))
 
     def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
         """Each connected peer's round trip, bandwidth and clock offset, measured now (bounded)."""
-        return self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s))["peers"]
+        return self._call(*request("probe_peers"), _probe_body(nbytes, timeout_s))["peers"]
 
     def doctor(self) -> dict:
-        return self._call("GET", "/v1/doctor")
+        return self._call(*request("doctor"))
 
     def contexts(self) -> list[dict]:
-        return self._call("GET", "/v1/contexts")["contexts"]
+        return self._call(*request("contexts"))["contexts"]
 
     def delete_context(self, key: str) -> int:
-        return self._call("DELETE", f"/v1/contexts/{key}")["deleted_chunks"]
+        return self._call(*request("delete_context", key=key))["deleted_chunks"]
 
     def peers(self) -> list[dict]:
-        return self._call("GET", "/v1/peers")["peers"]
+        return self._call(*request("peers"))["peers"]
 
     def ab(self) -> dict:
         """GET /v1/ab: the policy experiment in force and the latest fetch outcomes."""
-        return self._call("GET", "/v1/ab")
+        return self._call(*request("ab"))
 
     def lookup(self, model_id: str, tokens: list[int]) -> dict:
-        return self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
+        return self._call(*request("lookup"), {"model_id": model_id, "tokens": list(map(int, tokens))})
 
     def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0, pin: bool = False) -> dict:
         """Store (model_id, tokens) with its KV [L, 2, T, H, D]; the KV crosses in shared-memory
@@ -284,19 +284,19 @@ class Client:
             body, seg = _put_segment(model_id, tokens[:e], piece, s)
             body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
-                reply = _summed(reply, self._call("POST", "/v1/contexts", body))
+                reply = _summed(reply, self._call(*request("put"), body))
         return reply
 
     def pin(self, model_id: str, tokens: list[int]) -> dict:
         """Pin the context held for these tokens: the daemon's eviction passes it over until
         unpin() or delete_context(). ClientError pin_refused over [store] pin_budget."""
-        return self._call("POST", "/v1/pins", {"model_id": model_id, "tokens": list(map(int, tokens))})
+        return self._call(*request("pin"), {"model_id": model_id, "tokens": list(map(int, tokens))})
 
     def unpin(self, key: str) -> None:
-        self._call("DELETE", f"/v1/pins/{key}")
+        self._call(*request("unpin", key=key))
 
     def pins(self) -> list[dict]:
-        return self._call("GET", "/v1/pins")["pins"]
+        return self._call(*request("pins"))["pins"]
 
     def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
               dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
@@ -308,7 +308,7 @@ class Client:
         `recompute_tokens_per_s`: how fast this model prefills, so senders can price TEXT chunks.
         `device="cuda"`: decode on the daemon's GPU into device memory mapped here by CUDA IPC;
         a daemon without one says why in `start.gpu_unavailable` and uses shared memory."""
-        conn, resp = self._request("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
+        conn, resp = self._request(*request("fetch"), _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
                                                                  recompute_tokens_per_s, device))
         if resp.status >= 400:
             raw = resp.read()
@@ -438,7 +438,7 @@ class AsyncFetch(_FetchState):
         name = self._detach(_unwinding)
         self._resp.release()
         if name:
-            await self._client._call("DELETE", f"/v1/buffers/{name}", ok_missing=True)
+            await self._client._call(*request("release_buffer", name=name), ok_missing=True)
 
     async def __aenter__(self) -> "AsyncFetch":
         return self
@@ -473,35 +473,35 @@ class AsyncClient:
             return json.loads(raw) if resp.content_type == "application/json" else raw.decode()
 
     async def health(self) -> dict:
-        return await self._call("GET", "/healthz")
+        return await self._call(*request("healthz"))
 
     async def status(self) -> dict:
-        return await self._call("GET", "/v1/status")
+        return await self._call(*request("status"))
 
     async def metrics(self) -> str:
-        return await self._call("GET", "/metrics")
+        return await self._call(*request("metrics"))
 
     async def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
-        return (await self._call("POST", "/v1/peers/probe", _probe_body(nbytes, timeout_s)))["peers"]
+        return (await self._call(*request("probe_peers"), _probe_body(nbytes, timeout_s)))["peers"]
 
     async def doctor(self) -> dict:
-        return await self._call("GET", "/v1/doctor")
+        return await self._call(*request("doctor"))
 
     async def contexts(self) -> list[dict]:
-        return (await self._call("GET", "/v1/contexts"))["contexts"]
+        return (await self._call(*request("contexts")))["contexts"]
 
     async def delete_context(self, key: str) -> int:
-        return (await self._call("DELETE", f"/v1/contexts/{key}"))["deleted_chunks"]
+        return (await self._call(*request("delete_context", key=key)))["deleted_chunks"]
 
     async def peers(self) -> list[dict]:
-        return (await self._call("GET", "/v1/peers"))["peers"]
+        return (await self._call(*request("peers")))["peers"]
 
     async def ab(self) -> dict:
         """GET /v1/ab: the policy experiment in force and the latest fetch outcomes."""
-        return await self._call("GET", "/v1/ab")
+        return await self._call(*request("ab"))
 
     async def lookup(self, model_id: str, tokens: list[int]) -> dict:
-        return await self._call("POST", "/v1/lookup", {"model_id": model_id, "tokens": list(map(int, tokens))})
+        return await self._call(*request("lookup"), {"model_id": model_id, "tokens": list(map(int, tokens))})
 
     async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
                   pin: bool = False) -> dict:
@@ -511,23 +511,23 @@ class AsyncClient:
             body, seg = _put_segment(model_id, tokens[:e], piece, s)
             body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
-                reply = _summed(reply, await self._call("POST", "/v1/contexts", body))
+                reply = _summed(reply, await self._call(*request("put"), body))
         return reply
 
     async def pin(self, model_id: str, tokens: list[int]) -> dict:
-        return await self._call("POST", "/v1/pins", {"model_id": model_id, "tokens": list(map(int, tokens))})
+        return await self._call(*request("pin"), {"model_id": model_id, "tokens": list(map(int, tokens))})
 
     async def unpin(self, key: str) -> None:
-        await self._call("DELETE", f"/v1/pins/{key}")
+        await self._call(*request("unpin", key=key))
 
     async def pins(self) -> list[dict]:
-        return (await self._call("GET", "/v1/pins"))["pins"]
+        return (await self._call(*request("pins")))["pins"]
 
     async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
                     dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
                     recompute_tokens_per_s: float | None = None,
                     device: str = "cpu") -> AsyncFetch:
-        resp = await self._send("POST", "/v1/fetch", _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
+        resp = await self._send(*request("fetch"), _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
                                                                  recompute_tokens_per_s, device))
         if resp.status >= 400:
             raw = await resp.read()

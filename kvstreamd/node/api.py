@@ -4,6 +4,7 @@
                                      serving) adds "degraded": [{"reason", "message"}] while a
                                      fault lasts (codec_workers, disk_full, disk_error)
     GET    /metrics                  Prometheus text format (also over TCP: [api] metrics_listen)
+    GET    /v1/ab                    A/B fetch outcomes: the arms' recent fetches ([policy] experiment)
     GET    /v1/status                node, uptime, health, the health thresholds' states
                                      (health.py), codec workers, store usage, peers, fetches
                                      in flight
@@ -57,6 +58,7 @@ from kvstreamd import events
 from kvstreamd.ops.diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
 from kvstreamd.events import FetchRequest
 from kvstreamd.metrics import new_request_id
+from kvstreamd.routes import BY_NAME, ROUTES
 from kvstreamd.node.node import RequestError
 from kvstreamd.handoff.shm import DTYPES
 
@@ -353,25 +355,14 @@ async def release_buffer(request: web.Request) -> web.Response:
     return web.json_response({"released": name})
 
 
+HANDLERS = {name: globals()[name] for name in (route.name for route in ROUTES)}  # each route's handler, by its name
+
+
 def make_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
     app[NODE] = node
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/peers/probe", probe_peers)
-    app.router.add_get("/v1/doctor", doctor)
-    app.router.add_get("/v1/status", status)
-    app.router.add_get("/v1/contexts", contexts)
-    app.router.add_delete("/v1/contexts/{key}", delete_context)
-    app.router.add_get("/v1/peers", peers)
-    app.router.add_get("/v1/ab", ab)
-    app.router.add_post("/v1/lookup", lookup)
-    app.router.add_post("/v1/contexts", put)
-    app.router.add_post("/v1/fetch", fetch)
-    app.router.add_delete("/v1/buffers/{name}", release_buffer)
-    app.router.add_get("/v1/pins", pins)
-    app.router.add_post("/v1/pins", pin)
-    app.router.add_delete("/v1/pins/{key}", unpin)
+    for route in ROUTES:
+        app.router.add_route(route.method, route.path, HANDLERS[route.name])
     return app
 
 
@@ -381,7 +372,8 @@ async def start_metrics_listener(node: Node, host: str, port: int) -> web.AppRun
     """Listening on host:port (port 0: a free one, in runner.addresses) until runner.cleanup()."""
     app = web.Application()
     app[NODE] = node
-    app.router.add_get("/metrics", metrics)
+    route = BY_NAME["metrics"]
+    app.router.add_route(route.method, route.path, metrics)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
