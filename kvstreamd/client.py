@@ -36,6 +36,7 @@ from codec import layout
 from codec.layout import PrefixKV
 
 from . import events
+from kvstreamd.routes import request
 from kvstreamd.handoff.shm import Attached, Segment, ShmError
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}

@@ -34,7 +34,8 @@ ROUTES: tuple[Route, ...] = (
 BY_NAME: dict[str, Route] = {r.name: r for r in ROUTES}
 
 
-def request(name: str, **params: str) -> tuple[str, str]:
-    """(method, path) of route `name` with its path parameters filled in: what a client sends."""
-    route = BY_NAME[name]
+def request(route_name: str, /, **params: str) -> tuple[str, str]:
+    """(method, path) of the route named `route_name` with its path parameters (key, name)
+    filled in: what a client sends."""
+    route = BY_NAME[route_name]
     return route.method, route.path.format(**params)

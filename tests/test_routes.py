@@ -37,6 +37,7 @@ def test_the_readme_api_list_is_the_table():
 def test_a_request_fills_in_its_path_parameters():
     assert request("unpin", key="ab12") == ("DELETE", "/v1/pins/ab12")
     assert request("status") == ("GET", "/v1/status")
+    assert request("release_buffer", name="kvstreamd-1-abc") == ("DELETE", "/v1/buffers/kvstreamd-1-abc")
     with pytest.raises(KeyError):
         request("delete_context")  # {key} not given
     assert len(BY_NAME) == len(ROUTES)
