@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstreamd.cluster.directory import PeerDirectory
-from kvstreamd.cluster.peers import ADVERTISE_BATCH, advertisements
+from kvstreamd.cluster.directory import ADVERTISE_BATCH, advertisements
 
 K = [bytes([i]) * 32 for i in range(4)]
 ALL = frozenset({"high", "balanced", "fast"})

@@ -4,18 +4,42 @@ from), and the peers that stalled a fetch, left out of lookups while they cool d
 node's own judgement, whatever the backend). Backends ([directory] backend):
 
 - `PeerDirectory` ("peers", the default): fed by each connected peer's ADVERTISE (a full list
-  on connect, then deltas) and WITHDRAW; needs nothing, serves a small cluster's full mesh.
+  on connect, then deltas) and WITHDRAW, and telling them this node's in turn; needs nothing,
+  serves a small cluster's full mesh.
 - `redis_directory.RedisDirectory` ("redis"): the same lookups in a Redis server, under a lease
-  each host renews; peers are dialled when a fetch needs them."""
+  each host renews; peers are dialled when a fetch needs them.
+
+A backend also has its part in the peer connections (`peer_connected`, `peer_message`,
+`peer_closed`): the peer manager tells every backend about each connection and each message
+that is not a fetch's, and only the built-in one acts on them, so the peer manager never asks
+which backend it has."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 from codec import catalog
+from transport import aio
+from transport.messages import Advertise, Message, Withdraw
+
+log = logging.getLogger("kvstreamd.peers")
+
+ADVERTISE_BATCH = 20_000  # keys per ADVERTISE frame (32 B each: well under max_frame_bytes)
 
 
 Held = dict[bytes, frozenset[str]]  # chunk keys with the levels each is held at
+
+
+def advertisements(held: Held) -> list[Advertise]:
+    """ADVERTISEs of these keys: one per set of levels held, ADVERTISE_BATCH keys at most each."""
+    by_levels: dict[frozenset[str], list[bytes]] = {}
+    for key, levels in held.items():
+        by_levels.setdefault(levels, []).append(key)
+    return [Advertise(keys[i:i + ADVERTISE_BATCH], sorted(levels) or None)
+            for levels, keys in sorted(by_levels.items(), key=lambda kv: sorted(kv[0]))
+            for i in range(0, len(keys), ADVERTISE_BATCH)]
 
 
 class Holders:
@@ -121,6 +145,17 @@ class Directory:
     def info(self) -> dict:
         return {"backend": "peers"}
 
+    # -- its part in the peer connections ----------------------------------------------------------
+
+    async def peer_connected(self, conn: aio.PeerConnection) -> None:
+        """A peer connection finished its handshake (whichever side dialled)."""
+
+    def peer_message(self, conn: aio.PeerConnection, msg: Message) -> None:
+        """A message that is not part of a fetch came over `conn`."""
+
+    def peer_closed(self, conn: aio.PeerConnection, last: bool) -> None:
+        """`conn` closed; `last`: it was the last connection to its peer."""
+
     # -- peers that stalled a fetch ------------------------------------------------------------
 
     def stalled(self, peer: str, first_s: float, max_s: float) -> float:
@@ -154,14 +189,80 @@ class Directory:
 
 class PeerDirectory(Directory):
     """The built-in backend: the keys each connected peer ADVERTISEd (with the levels, where it
-    said them), until it WITHDRAWs them or its last connection closes (the peers exchange them
-    over their connections)."""
+    said them), until it WITHDRAWs them or its last connection closes. The peers exchange them
+    over their connections: this node ADVERTISEs all it holds to each new connection, then
+    each change to every connection (ADVERTISE or WITHDRAW)."""
 
-    def __init__(self, max_keys_per_peer: int | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_keys_per_peer: int | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 on_refused: Callable[[int], None] | None = None) -> None:
         super().__init__(clock=clock)
         self.max_keys_per_peer = max_keys_per_peer  # None: no cap
         self._held: dict[str, dict[bytes, frozenset[str] | None]] = {}  # peer -> key -> levels (None: not said)
         self._level_sets: dict[frozenset[str], frozenset[str]] = {}
+        self._on_refused = on_refused  # keys a peer advertised past the cap (counted as an error)
+        self._over_cap: set[aio.PeerConnection] = set()  # connections told of the cap in the log already
+        self._conns: set[aio.PeerConnection] = set()
+        self._held_here: Callable[[], Held] = dict
+        self._deltas: asyncio.Queue[tuple[bool, Held]] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._broadcaster: asyncio.Task | None = None
+        self._started = asyncio.Event()  # a connection up before start() waits for what is held here
+
+    async def start(self, node_id: str, address: str, held: Callable[[], Held], zone: str = "") -> None:
+        self._held_here = held
+        self._started.set()
+        self._loop = asyncio.get_running_loop()
+        self._deltas = asyncio.Queue()
+        self._broadcaster = asyncio.ensure_future(self._broadcast())
+
+    async def stop(self) -> None:
+        if self._broadcaster is not None:
+            self._broadcaster.cancel()
+            await asyncio.gather(self._broadcaster, return_exceptions=True)
+
+    def changed(self, added: bool, keys: Held) -> None:
+        if self._loop is not None and self._deltas is not None:
+            self._loop.call_soon_threadsafe(self._deltas.put_nowait, (added, dict(keys)))
+
+    async def _broadcast(self) -> None:
+        while True:
+            added, keys = await self._deltas.get()
+            msgs = advertisements(keys) if added else [Withdraw(list(keys))]
+            for c in list(self._conns):
+                try:
+                    for msg in msgs:
+                        await c.send(msg)
+                except aio.TransportError:
+                    pass  # that connection is going away; its reader cleans up
+
+    async def peer_connected(self, conn: aio.PeerConnection) -> None:
+        self._conns.add(conn)
+        await self._started.wait()
+        for msg in advertisements(self._held_here()):
+            await conn.send(msg)
+
+    def peer_message(self, conn: aio.PeerConnection, msg: Message) -> None:
+        peer = conn.peer_node_id
+        if isinstance(msg, Advertise):
+            refused = self.add(peer, msg.keys, msg.levels)
+            if refused:
+                # what one peer makes this node hold is bounded; past it, its keys are not kept
+                # (it is then not asked for those chunks), said once per connection
+                if self._on_refused is not None:
+                    self._on_refused(refused)
+                if conn not in self._over_cap:
+                    log.warning("peer %s: advertises more than [peer] max_keys_per_peer = %d keys; %d refused, "
+                                "and its keys past the cap are refused from now on", peer, self.max_keys_per_peer,
+                                refused)
+                    self._over_cap.add(conn)
+        elif isinstance(msg, Withdraw):
+            self.remove(peer, msg.keys)
+
+    def peer_closed(self, conn: aio.PeerConnection, last: bool) -> None:
+        self._conns.discard(conn)
+        self._over_cap.discard(conn)
+        if last:
+            self.drop(conn.peer_node_id)
 
     def add(self, peer: str, keys: Iterable[bytes], levels: Iterable[str] | None = None) -> int:
         """Keep `keys` as held by `peer` (at `levels`; None: not said), up to max_keys_per_peer

@@ -1,7 +1,7 @@
 """Peer side of the daemon: the TCP listener, a dialer per configured peer (retried with
 backoff), connections dialled when a fetch needs a peer the directory named (closed again once
-idle), the exchange of held chunk keys where the directory is the peers' own (a full ADVERTISE
-on connect, deltas after), and the serving of peers' FETCHes with per-chunk level choice from
+idle), each connection and each message that is not a fetch's handed to the directory backend
+(the built-in one exchanges held chunk keys over them), and the serving of peers' FETCHes with per-chunk level choice from
 the measured link."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable
 
 from transport import aio
 from transport.bandwidth import PeerBandwidth
-from transport.messages import BAD_MESSAGE, NOT_FOUND, Advertise, Fetch, Withdraw
+from transport.messages import BAD_MESSAGE, NOT_FOUND, Fetch
 from codec import catalog, select_layers
 from codec.errors import CodecError
 from codec.layout import Layout
@@ -24,24 +24,11 @@ from transport.send import send_chunks
 
 from kvstreamd.cluster import serving
 from kvstreamd.config import ConfigError, PeerConfig, parse_hostport
-from kvstreamd.cluster.directory import Directory, Held, PeerDirectory
+from kvstreamd.cluster.directory import Directory
 from kvstreamd.metrics import Metrics, new_request_id
 from kvstreamd.store.store import Store
 
 log = logging.getLogger("kvstreamd.peers")
-
-ADVERTISE_BATCH = 20_000  # keys per ADVERTISE frame (32 B each: well under max_frame_bytes)
-
-
-def advertisements(held: Held) -> list[Advertise]:
-    """ADVERTISEs of these keys: one per set of levels held, ADVERTISE_BATCH keys at most each."""
-    by_levels: dict[frozenset[str], list[bytes]] = {}
-    for key, levels in held.items():
-        by_levels.setdefault(levels, []).append(key)
-    return [Advertise(keys[i:i + ADVERTISE_BATCH], sorted(levels) or None)
-            for levels, keys in sorted(by_levels.items(), key=lambda kv: sorted(kv[0]))
-            for i in range(0, len(keys), ADVERTISE_BATCH)]
-
 
 @dataclass
 class PeerState:
@@ -67,7 +54,6 @@ class PeerManager:
         self.cfg = cfg
         self.store = store
         self.directory = directory
-        self._gossip = isinstance(directory, PeerDirectory)  # peers tell each other the keys they hold
         self.metrics = metrics
         self.caps = caps
         self.recompute_tokens_per_s = recompute_tokens_per_s
@@ -83,8 +69,6 @@ class PeerManager:
         self._last_used: dict[aio.PeerConnection, float] = {}  # dialled connection -> loop time last busy
         self._reaper: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._deltas: asyncio.Queue[tuple[bool, Held]] = asyncio.Queue()
-        self._broadcaster: asyncio.Task | None = None
         self._loop = asyncio.get_running_loop()
 
     # -- life cycle ------------------------------------------------------------------------
@@ -103,8 +87,6 @@ class PeerManager:
             log.warning("peer links are plaintext: frames after the handshake are neither encrypted nor "
                         "authenticated, so plaintext is for trusted networks only "
                         "(set [peer] tls_cert, tls_key and tls_ca for TLS)")
-        if self._gossip:
-            self._broadcaster = asyncio.ensure_future(self._broadcast())
         self._reaper = asyncio.ensure_future(self._close_idle())
         self.set_peers(self.cfg.peers)
 
@@ -129,7 +111,7 @@ class PeerManager:
     async def stop(self) -> None:
         for t in self._dialers.values():
             t.cancel()
-        for t in (self._broadcaster, self._reaper, *self._dialling.values()):
+        for t in (self._reaper, *self._dialling.values()):
             if t is not None:
                 t.cancel()
         if self.server is not None:
@@ -145,26 +127,6 @@ class PeerManager:
                 await asyncio.wait_for(self.server.wait_closed(), 5)
             except asyncio.TimeoutError:
                 log.warning("peer connections did not close within 5 s")
-
-    # -- store deltas (called from any thread) ------------------------------------------------
-
-    def keys_changed(self, added: bool, keys: Held) -> None:
-        """The store took (added, at those levels) or dropped `keys`: tell the connected peers,
-        where they keep the directory themselves."""
-        if self._gossip:
-            self._loop.call_soon_threadsafe(self._deltas.put_nowait, (added, dict(keys)))
-
-    async def _broadcast(self) -> None:
-        while True:
-            added, keys = await self._deltas.get()
-            msgs = advertisements(keys) if added else [Withdraw(list(keys))]
-            for conns in list(self.by_node.values()):
-                for c in list(conns):
-                    try:
-                        for msg in msgs:
-                            await c.send(msg)
-                    except aio.TransportError:
-                        pass  # that connection is going away; its reader cleans up
 
     # -- connections -----------------------------------------------------------------------
 
@@ -294,34 +256,16 @@ class PeerManager:
         self.metrics.peers_connected.set(len(self.connected()))
         log.info("peer %s: connected (%s)", peer, conn.conn.role)
         try:
-            if self._gossip:
-                for msg in advertisements(self.store.held_levels()):
-                    await conn.send(msg)
-            over_cap = False
+            await self.directory.peer_connected(conn)
             async for msg in conn:
-                if not self._gossip:
-                    continue  # (the directory is elsewhere: a peer's key lists are not needed)
-                if isinstance(msg, Advertise):
-                    refused = self.directory.add(peer, msg.keys, msg.levels)
-                    if refused:
-                        # what one peer makes this node hold is bounded; past it, its keys are
-                        # not kept (it is then not asked for those chunks), said once per connection
-                        self.metrics.error("peer_keys_over_cap", refused)
-                        if not over_cap:
-                            log.warning("peer %s: advertises more than [peer] max_keys_per_peer = %d keys; "
-                                        "%d refused, and its keys past the cap are refused from now on",
-                                        peer, self.directory.max_keys_per_peer, refused)
-                            over_cap = True
-                elif isinstance(msg, Withdraw):
-                    self.directory.remove(peer, msg.keys)
+                self.directory.peer_message(conn, msg)
         except aio.TransportError:
             pass
         finally:
             conns.discard(conn)
             if not conns:
                 self.by_node.pop(peer, None)
-                if self._gossip:
-                    self.directory.drop(peer)
+            self.directory.peer_closed(conn, last=not conns)
             if state is not None:
                 state.connected = False
             self.metrics.peers_connected.set(len(self.connected()))

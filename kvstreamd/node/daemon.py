@@ -66,7 +66,8 @@ def make_directory(cfg: Config, metrics: Metrics) -> Directory:
     if cfg.directory.backend == "redis":
         from kvstreamd.cluster.redis_directory import RedisDirectory  # redis-py only where it is used
         return RedisDirectory(cfg.directory, metrics)
-    return PeerDirectory(cfg.peer.max_keys_per_peer)
+    return PeerDirectory(cfg.peer.max_keys_per_peer,
+                         on_refused=lambda n: metrics.error("peer_keys_over_cap", n))
 
 
 def advertised_address(cfg: Config, port: int) -> str:
@@ -151,11 +152,10 @@ class Daemon:
 
     def _keys_changed(self, added: bool, keys: list[bytes]) -> None:
         """The store took (with their levels) or dropped chunks (from any thread): the directory
-        and the peers hear. (A chunk dropped again before this ran is left to its drop.)"""
+        hears (and tells whoever its backend tells). (A chunk dropped again before this ran is
+        left to its drop.)"""
         held = self.store.held_levels(keys) if added else dict.fromkeys(keys, frozenset())
         self.directory.changed(added, held)
-        if self.peers is not None:
-            self.peers.keys_changed(added, held)
 
     async def _start_api(self) -> None:
         path = Path(self.cfg.api.socket)
