@@ -7,9 +7,11 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
+
 import torch
 
 import codec
@@ -253,7 +255,10 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     from kvstreamd.cluster.directory import PeerDirectory
     from kvstreamd.metrics import Metrics
     from codec.layout import PrefixKV
+    from kvstreamd.config import Config
+    from kvstreamd.events import FetchRequest
     from kvstreamd.node.fetch import FetchJob, plan
+    from kvstreamd.node.options import FetchOptions
     from kvstreamd.store.chunkfile import ChunkRecord
     from kvstreamd.store.keys import chunk_keys
     from kvstreamd.store.store import Store
@@ -275,9 +280,10 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     buffer = torch.zeros_like(kv)
     coder = Coder(1)
     try:
-        job = FetchJob(fetch_plan, p.model_id, tokens, 10_000, PrefixKV.from_dense(buffer), store, None, coder,
-                       Metrics(), ["high"])
-        job.stages = gpu.CudaStages(p, "cpu")
+        opts = FetchOptions.of(FetchRequest(p.model_id, tokens, deadline_ms=10_000, levels=["high"]), Config(),
+                               time.monotonic())
+        job = FetchJob(fetch_plan, opts, PrefixKV.from_dense(buffer), store, None, coder, Metrics(),
+                       stages=gpu.CudaStages(p, "cpu"))
         events = []
 
         async def emit(ev):

@@ -90,6 +90,21 @@ class PeerManager:
         self._reaper = asyncio.ensure_future(self._close_idle())
         self.set_peers(self.cfg.peers)
 
+    def reconfigure(self, cfg) -> None:
+        """SIGHUP: `cfg`'s peers (new ones dialled, removed ones hung up), secret (for the
+        connections from now on), retry backoff, idle time of dialled connections, and the
+        prefill rate TEXT chunks are priced at when a FETCH does not say its own."""
+        try:
+            secret = cfg.secret()
+        except ConfigError as e:  # the file went away since the reload read it
+            log.error("reload: keeping the running [peer] secret: %s", e)
+        else:
+            self.secret = secret if secret is not None else self.secret
+        self.cfg = cfg.peer
+        self.idle_s = cfg.directory.idle_s
+        self.recompute_tokens_per_s = cfg.fetch.recompute_tokens_per_s
+        self.set_peers(cfg.peer.peers)
+
     @property
     def port(self) -> int:
         assert self.server is not None

@@ -17,7 +17,6 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from codec import bitstream as bs, catalog
 from codec.errors import CodecError
@@ -27,6 +26,7 @@ from kvstreamd.cluster.admission import Refused, Wanted, admit
 from kvstreamd.store.chunkfile import ChunkRecord
 from kvstreamd.coder import Coder
 from kvstreamd.config import Config
+from kvstreamd.features import Feature, FetchBegan
 from kvstreamd.cluster.directory import Directory
 from kvstreamd.metrics import Metrics, new_request_id
 from kvstreamd.cluster.peers import PeerManager
@@ -107,13 +107,15 @@ class _Unused:
     local_before: int = 0  # its chunks held here before the prefetch
 
 
-class Prefetcher:
-    """The worker and its bookkeeping. `config()` is the node's current configuration (SIGHUP
-    swaps it)."""
+class Prefetcher(Feature):
+    """The worker and its bookkeeping, a feature of the node: it learns from each fetch that
+    begins, yields to the node's own work, and shows itself in /v1/status "prefetch"."""
 
-    def __init__(self, config: Callable[[], Config], store: Store, directory: Directory, peers: PeerManager,
+    name = "prefetch"
+
+    def __init__(self, cfg: Config, store: Store, directory: Directory, peers: PeerManager,
                  coder: Coder, metrics: Metrics) -> None:
-        self.config = config
+        self.cfg = cfg  # reconfigure() swaps in a reloaded one
         self.store = store
         self.directory = directory
         self.peers = peers
@@ -133,6 +135,19 @@ class Prefetcher:
 
     # -- what the node tells it ------------------------------------------------------------
 
+    def reconfigure(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def fetch_began(self, began: FetchBegan) -> None:
+        self.waits_for(began.task)  # a prefetch yields the link to it
+        self.fetched(began.model_id, list(began.tokens), began.plan)  # learnt from; its likely successors queued
+
+    def node_busy(self, task: asyncio.Future) -> None:
+        self.waits_for(task)
+
+    def status(self) -> dict:
+        return self.info()
+
     def waits_for(self, task: asyncio.Future) -> None:
         """No prefetch runs until `task` (a user fetch, or the storing of the chunks it brought)
         is done: one in flight cancels its request now."""
@@ -151,7 +166,7 @@ class Prefetcher:
         prefetched chunks here, and queue its likely successors."""
         if not plan.found:
             return
-        cfg = self.config().prefetch
+        cfg = self.cfg.prefetch
         ctx = Context(model_id, tuple(plan.keys[:plan.found]), tuple(plan.bounds[:plan.found]),
                       array.array("I", tokens[:plan.found_tokens]))
         was = self.unused.pop(ctx.id, None)
@@ -178,7 +193,7 @@ class Prefetcher:
             self._wake.set()
 
     def info(self) -> dict:
-        cfg = self.config()
+        cfg = self.cfg
         return {"enabled": cfg.prefetch.enabled, "queued": len(self.queue), "user_fetches": self._users,
                 "running": self.running.id.hex() if self.running else None,
                 "unused_contexts": len(self.unused), "unused_bytes": self._unused_bytes(),
@@ -241,7 +256,7 @@ class Prefetcher:
                 entry = self.unused[ctx.id] = _Unused(local_before=local)
                 await self._bound_unused()
             if holders is None or not holders.of(local):
-                holders = (await self.directory.lookup(list(ctx.keys), local)).want(self.config().codec.levels)
+                holders = (await self.directory.lookup(list(ctx.keys), local)).want(self.cfg.codec.levels)
             peer, end = holders.best(local)
             if peer is None:
                 return "not_held" if not entry.sizes else "failed"
@@ -263,7 +278,7 @@ class Prefetcher:
         """One FETCH of chunks [start, end) from `peer`, each stored as it arrives. None: go on
         (the peer sent what it was asked, or a user fetch started: its request is cancelled on
         the wire at once); else the prefetch's outcome."""
-        cfg = self.config()
+        cfg = self.cfg
         conn = await self.peers.connect_to(peer, address)
         if conn is None:
             return "failed"
@@ -332,7 +347,7 @@ class Prefetcher:
     async def _bound_unused(self) -> None:
         """At most [prefetch] max_contexts unused prefetches are remembered; the oldest go
         (chunks and all: forgotten, they would stand outside the share)."""
-        while len(self.unused) > self.config().prefetch.max_contexts:
+        while len(self.unused) > self.cfg.prefetch.max_contexts:
             ctx_id = next(iter(self.unused))
             await self._drop(ctx_id)
             self.unused.pop(ctx_id, None)

@@ -59,7 +59,7 @@ from kvstreamd.ops.diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PR
 from kvstreamd.events import FetchRequest
 from kvstreamd.metrics import new_request_id
 from kvstreamd.routes import BY_NAME, ROUTES
-from kvstreamd.node.node import RequestError
+from kvstreamd.node.errors import RequestError
 from kvstreamd.handoff.shm import DTYPES
 
 log = logging.getLogger("kvstreamd.api")

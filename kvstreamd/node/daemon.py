@@ -20,21 +20,22 @@ from aiohttp import web
 
 from codec.segments import SEG_PREFIX as CODEC_SEG_PREFIX
 
-from kvstreamd import __version__
-
-
-from kvstreamd.ops import sdnotify
-from kvstreamd import config as config_mod
-from kvstreamd.node import api
-from kvstreamd.node.api import make_app
+from kvstreamd import __version__, config as config_mod
+from kvstreamd.cluster.directory import Directory, PeerDirectory
+from kvstreamd.cluster.peers import PeerManager
+from kvstreamd.cluster.prefetch import Prefetcher
 from kvstreamd.coder import Coder
 from kvstreamd.config import Config, ConfigError
-from kvstreamd.cluster.directory import Directory, PeerDirectory
-from kvstreamd.metrics import Metrics, set_level, setup_logging
-from kvstreamd.node.node import Node
-from kvstreamd.cluster.peers import PeerManager
-from kvstreamd.ops.preload_child import PreloadChild
+from kvstreamd.features import Feature
 from kvstreamd.handoff.shm import sweep_stale
+from kvstreamd.metrics import Metrics, set_level, setup_logging
+from kvstreamd.node import api
+from kvstreamd.node.api import make_app
+from kvstreamd.node.node import Node
+from kvstreamd.ops import sdnotify
+from kvstreamd.ops.health import HealthWatch
+from kvstreamd.ops.outcomes import OutcomeLog
+from kvstreamd.ops.preload_child import PreloadChild
 from kvstreamd.store.store import Store
 
 log = logging.getLogger("kvstreamd.daemon")
@@ -70,6 +71,17 @@ def make_directory(cfg: Config, metrics: Metrics) -> Directory:
                          on_refused=lambda n: metrics.error("peer_keys_over_cap", n))
 
 
+def features(cfg: Config, store: Store, directory: Directory, peers: PeerManager, coder: Coder,
+             metrics: Metrics) -> list[Feature]:
+    """The node's features (kvstreamd/features.py), one line each."""
+    return [
+        HealthWatch(metrics),
+        OutcomeLog(cfg),
+        Prefetcher(cfg, store, directory, peers, coder, metrics),
+        PreloadChild(cfg.store.preload, cfg.store.preload_model, cfg.api.socket),
+    ]
+
+
 def advertised_address(cfg: Config, port: int) -> str:
     """The "host:port" this node's peers dial it at: [directory] address, else the [peer]
     listen host (the host name where that is every interface) and the port it listens on."""
@@ -91,7 +103,6 @@ class Daemon:
         self.coder: Coder | None = None
         self.peers: PeerManager | None = None
         self.node: Node | None = None  # once the parts it works with are up
-        self.preload: PreloadChild | None = None  # [store] preload's child, once the API is up
         self.stopping = False
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None  # [api] metrics_listen
@@ -138,14 +149,13 @@ class Daemon:
             raise StartupError(f"[peer] listen {cfg.peer.listen[0]}:{cfg.peer.listen[1]}: {e.strerror or e}") from None
         await self.directory.start(self.node_id, advertised_address(cfg, self.peers.port), self.store.held_levels,
                                    cfg.node.zone)
-        self.node = Node(cfg, self.store, self.directory, self.coder, self.peers, self.metrics, gpu, gpu_why)
+        self.node = Node(cfg, self.store, self.directory, self.coder, self.peers, self.metrics, gpu, gpu_why,
+                         features(cfg, self.store, self.directory, self.peers, self.coder, self.metrics))
         await self._start_api()
         if cfg.api.metrics_listen is not None:
             await self._start_metrics_listener(*cfg.api.metrics_listen)
         self._reaper = asyncio.ensure_future(self._reap_buffers())
-        if cfg.store.preload:  # after the API: the child stores through it
-            self.preload = self.node.preload = PreloadChild(cfg.store.preload, cfg.store.preload_model, cfg.api.socket)
-            self.preload.start()
+        await self.node.start_features()  # after the API: [store] preload's child stores through it
         log.info("kvstreamd %s node %s: peers on %s:%d, API on %s", __version__, self.node_id, cfg.peer.listen[0],
                  self.peers.port, cfg.api.socket)
         sdnotify.ready(f"serving; peers on port {self.peers.port}")
@@ -199,8 +209,6 @@ class Daemon:
         sdnotify.stopping()
         if self.node is not None:
             self.node.stopping = True  # new fetches are refused from here on
-        if self.preload is not None:
-            await self.preload.stop()
         if self.peers is not None:
             await self.peers.stop()
         await self.directory.stop()
@@ -238,7 +246,7 @@ class Daemon:
         try:
             new = config_mod.load(self.cfg.source) if self.cfg.source else self.cfg
             changed, restart = config_mod.reloadable_changes(self.cfg, new)
-            secret = new.secret()
+            new.secret()  # read now: a secret file that cannot be read refuses the reload
         except ConfigError as e:
             log.error("reload refused, keeping the running configuration: %s", e)
             self.metrics.error("reload")
@@ -246,19 +254,10 @@ class Daemon:
             return
         for key in restart:
             log.warning("reload: %s changed but needs a restart; keeping the running value", key)
-        old = self.cfg
-        self.cfg = _keep_restart_keys(old, new)
-        if secret is not None and secret != self.peers.secret:
-            self.peers.secret = secret
-        self.peers.cfg = self.cfg.peer
-        self.peers.idle_s = self.cfg.directory.idle_s
-        self.peers.set_peers(self.cfg.peer.peers)
-        self.peers.recompute_tokens_per_s = self.cfg.fetch.recompute_tokens_per_s
-        await asyncio.to_thread(self.store.set_budgets, self.cfg.store.memory_budget, self.cfg.store.disk_budget)
-        self.store.set_pin_budget(self.cfg.store.pin_budget)
-        self.node.cfg = self.cfg
-        if self.cfg.api.max_fetches != old.api.max_fetches:
-            self.node.set_max_fetches(self.cfg.api.max_fetches)
+        self.cfg = _keep_restart_keys(self.cfg, new)
+        await asyncio.to_thread(self.store.reconfigure, self.cfg)
+        for part in (self.peers, self.node):
+            part.reconfigure(self.cfg)
         set_level(self.cfg.node.log_level)
         log.info("reloaded %s: %s", self.cfg.source, ", ".join(changed) or "nothing changed")
         sdnotify.ready("serving")

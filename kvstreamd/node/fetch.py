@@ -36,6 +36,7 @@ from kvstreamd.cluster.admission import Refused, Wanted, admit
 from kvstreamd.coder import Coder
 from kvstreamd.cluster.directory import Directory, Holders
 from kvstreamd.metrics import Metrics
+from kvstreamd.node.options import FetchOptions
 from kvstreamd.cluster.peers import PeerManager
 from kvstreamd.store.keys import chunk_keys, prefix_keys
 from kvstreamd.cluster.shares import Shares, level_tier, needed_level
@@ -45,7 +46,6 @@ log = logging.getLogger("kvstreamd.pipeline")
 
 QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
 DECODE_DEPTH = 2  # chunks decoding at once
-STALL_S = 2.0  # [fetch] stall_s: seconds of silence after which a peer has stalled a fetch
 # A peer that stalled is left out of lookups for COOLDOWN_STALLS * stall_s, doubled for each
 # stall in a row (a fetch it completes resets that), at most COOLDOWN_MAX_S.
 COOLDOWN_STALLS = 5
@@ -153,44 +153,38 @@ class FetchJob:
     layers that read the prefix are moved, decoded and filled: all of them for a model whose
     layers hold every token; for a hybrid one, its sliding layers only in their window."""
 
-    def __init__(self, plan: Plan, model_id: str, tokens: list[int], deadline_ms: int, buffer: PrefixKV | None,
-                 store: Store, peers: PeerManager, coder: Coder, metrics: Metrics, levels: list[str]) -> None:
+    def __init__(self, plan: Plan, options: FetchOptions, buffer: PrefixKV | None, store: Store,
+                 peers: PeerManager | None, coder: Coder, metrics: Metrics, *,
+                 segment: tuple[str, torch.Tensor] | None = None, stages=None) -> None:
         self.plan = plan
-        self.model_id = model_id
-        self.tokens = tokens
-        self.deadline_ms = deadline_ms
+        self.options = options
         self.buffer = buffer
         self.store = store
         self.peers = peers
         self.coder = coder
         self.metrics = metrics
-        self.levels = levels
+        self.levels = list(options.levels)
         self.result = FetchResult()
-        self.recompute_tps: float | None = None  # the model process's prefill rate, when it said
-        self.rule: str | None = None  # the level rule its senders are asked for (an A/B arm); None: theirs
-        self.stall_s = STALL_S  # a peer silent this long while waited for has stalled ([fetch] stall_s)
-        self.started_at: float | None = None  # time.monotonic() the request arrived; default: run()
         # codec.gpu.CudaStages when the buffer is on a GPU: chunks of the entropy-coded levels
         # then upload, decode and fill on three CUDA streams; others decode on the CPU workers.
-        self.stages = None
+        self.stages = stages
         # (name, the whole segment as one tensor) when the buffer is host shared memory: the
         # codec workers then decode a chunk that lies in one part of it straight into it.
-        self.segment: tuple[str, torch.Tensor] | None = None
+        self.segment = segment
         # (chunk, level, payload) of each whole chunk a peer sent that decoded: kept here as the
-        # bitstream it arrived as, so that this node serves it onward (node.py stores them)
+        # bitstream it arrived as, so that this node serves it onward (node/fetches.py stores them)
         self.arrived: list[tuple[int, str, bytes]] = []
-        self._t0 = 0.0
+        self._t0 = options.arrived
 
     def _remaining_ms(self) -> int:
-        return int(self.deadline_ms - (time.monotonic() - self._t0) * 1000)
+        return int(self.options.deadline_ms - (time.monotonic() - self._t0) * 1000)
 
     @property
     def peers_until(self) -> float:
         """time.monotonic() after which no peer is waited for: the deadline plus half the grace."""
-        return self._t0 + self.deadline_ms / 1000 + grace_s(self.deadline_ms) / 2
+        return self._t0 + self.options.deadline_ms / 1000 + grace_s(self.options.deadline_ms) / 2
 
     async def run(self, emit: Callable[[events.Event], Awaitable[None]]) -> FetchResult:
-        self._t0 = self.started_at if self.started_at is not None else time.monotonic()
         received: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
         decoded: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
         stages = [asyncio.ensure_future(self._receive(received)),
@@ -202,6 +196,7 @@ class FetchJob:
             for s in stages:
                 s.cancel()
             await asyncio.gather(*stages, return_exceptions=True)
+            self.buffer = self.segment = None  # nothing of the client's buffer outlives the run
         self.result.deadline_missed = self.result.deadline_missed or self._remaining_ms() < 0
         return self.result
 
@@ -261,7 +256,8 @@ class FetchJob:
             p.holders = fresh
         late = None  # why the chunks left come as TEXT: the time for peers ran out
         if nxt < p.found and time.monotonic() >= self.peers_until:
-            late = f"not received within the deadline ({self.deadline_ms} ms) + {grace_s(self.deadline_ms) / 2:g} s"
+            ms = self.options.deadline_ms
+            late = f"not received within the deadline ({ms} ms) + {grace_s(ms) / 2:g} s"
             self.result.errors.append(f"chunks {nxt}..{p.found - 1} {late}: recompute them")
             self.result.deadline_missed = True
         for j in range(nxt, p.found):
@@ -300,7 +296,7 @@ class FetchJob:
 
     def _needed_level(self, chunks: list[int], holders: set[str]) -> str:
         """The level the deadline left needs for these chunks, over the holders' links together."""
-        prof = self.coder.profile_for(self.model_id)
+        prof = self.coder.profile_for(self.options.model_id)
         token_bytes = prof.layers * 2 * prof.heads * prof.head_dim * 2  # fp16 K and V of one token
         fp16 = sum(self.plan.bounds[i][1] - self.plan.bounds[i][0] for i in chunks) * token_bytes
         rates = [r for q in holders if (r := self._rate(q))]
@@ -350,11 +346,12 @@ class FetchJob:
         conn = await self.peers.connect_to(peer, p.holders.addresses.get(peer))
         if conn is None:
             return False
-        prof = self.coder.profile_for(self.model_id)
+        prof = self.coder.profile_for(self.options.model_id)
         stream = conn.fetch([p.keys[j] for j in share], max(self._remaining_ms(), 1), self.levels + [TEXT],
-                            decode_mbps=self.coder.rate(gpu=self.stages is not None), recompute_tps=self.recompute_tps,
-                            stall_s=self.stall_s, limit_s=left, prefix_tokens=self._prefix_tokens,
-                            rule=self.rule)
+                            decode_mbps=self.coder.rate(gpu=self.stages is not None),
+                            recompute_tps=self.options.recompute_tokens_per_s,
+                            stall_s=self.options.stall_s, limit_s=left, prefix_tokens=self._prefix_tokens,
+                            rule=self.options.rule)
         nbytes, sent = 0, 0  # positions of `share` received
         at = lambda: share[min(sent, len(share) - 1)]  # noqa: E731  the chunk it was to send next
         try:
@@ -389,7 +386,7 @@ class FetchJob:
             shares.give_back(peer)
             return True
         except aio.FetchStalled as e:
-            cooldown = self.peers.directory.stalled(peer, COOLDOWN_STALLS * self.stall_s, COOLDOWN_MAX_S)
+            cooldown = self.peers.directory.stalled(peer, COOLDOWN_STALLS * self.options.stall_s, COOLDOWN_MAX_S)
             why = f"peer {peer} stalled at chunk {at()}: {e.msg}; it is avoided for {cooldown:g} s"
             log.warning("%s; the rest comes from another peer or as text", why)
             self.result.errors.append(why)
@@ -516,7 +513,7 @@ class FetchJob:
 
     @functools.cached_property
     def layout(self):
-        return self.coder.profile_for(self.model_id).layout if self.buffer is not None else None
+        return self.coder.profile_for(self.options.model_id).layout if self.buffer is not None else None
 
     @functools.cached_property
     def _chunk_layers(self) -> list[tuple[int, ...]]:

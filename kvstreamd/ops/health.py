@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client import Gauge
 
+from kvstreamd.features import Feature, FetchEnded
+
 # /v1/status judges the fetch thresholds over this many of the node's latest fetches (the
 # alerting rules over the last 5 minutes of the histograms).
 RECENT_FETCHES = 100
@@ -142,3 +144,20 @@ def report(recent: RecentFetches, compression_ratio: Gauge, link_utilisation: Ga
     out[TIME_TO_FIRST_TOKEN.name]["fetches"] = len(recent.seconds)
     out[DECODE_SHARE.name]["fetches"] = len(recent.decode_shares)
     return out
+
+
+class HealthWatch(Feature):
+    """The four thresholds, judged over the node's recent fetches and its metrics: /v1/status
+    "thresholds"."""
+
+    name = "thresholds"
+
+    def __init__(self, metrics) -> None:
+        self.metrics = metrics  # kvstreamd.metrics.Metrics: compression ratio and link utilisation
+        self.recent = RecentFetches()
+
+    async def fetch_ended(self, ended: FetchEnded) -> None:
+        self.recent.add(ended.seconds, ended.decode_s)
+
+    def status(self) -> dict:
+        return report(self.recent, self.metrics.compression_ratio, self.metrics.link_utilisation)

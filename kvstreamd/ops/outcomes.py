@@ -3,13 +3,18 @@ A/B report: the latest MAX_RECORDS in memory, and as JSON lines in the store dir
 (bounded: one rotated file) so that a restart keeps the experiment's history."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import threading
+import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kvstreamd.config import Config
+from kvstreamd.features import Feature, FetchEnded
 
 log = logging.getLogger("kvstreamd.fetch_outcomes")
 
@@ -126,3 +131,28 @@ class FetchOutcomes:
         with self._lock:  # (not while a worker thread appends)
             records = list(self.records)
         return [asdict(r) for r in records]
+
+
+class OutcomeLog(Feature):
+    """What each fetch that found something came to, with its A/B arm, for GET /v1/ab and
+    `kvstreamd ab report`: kept in the store dir's FILE_NAME (in memory without one)."""
+
+    name = "ab"
+    in_status = False  # GET /v1/ab shows it, not /v1/status
+
+    def __init__(self, cfg: Config) -> None:
+        self.experiment = cfg.policy.experiment
+        self.records = FetchOutcomes(cfg.store.dir / FILE_NAME if cfg.store.dir else None)
+
+    def reconfigure(self, cfg: Config) -> None:
+        self.experiment = cfg.policy.experiment
+
+    async def fetch_ended(self, ended: FetchEnded) -> None:
+        if ended.found_tokens:
+            await asyncio.to_thread(self.records.add, Outcome.of(
+                time.time(), ended.arm, ended.experiment, ended.seconds, ended.deadline_missed, ended.levels,
+                ended.bytes, ended.found_tokens))
+
+    def report(self) -> dict:
+        """The experiment in force and the latest outcomes, oldest first."""
+        return {"experiment": self.experiment.describe(), "outcomes": self.records.as_json()}

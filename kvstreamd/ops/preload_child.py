@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from kvstreamd.features import Feature
+
 log = logging.getLogger("kvstreamd.preload")
 
 KEPT_ERRORS = 20  # errors status keeps (the log has them all)
@@ -31,8 +33,14 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
 LINE_LIMIT = 1 << 20  # the longest line read from the child (a traceback's, say); asyncio's default is 64 KiB
 
 
-class PreloadChild:
+class PreloadChild(Feature):
+    """[store] preload: `kvstreamd preload` run as a child once the API is up (none without
+    documents); /v1/status "preload" says how it went."""
+
+    name = "preload"
+
     def __init__(self, paths: tuple[Path, ...], model: str, socket: Path) -> None:
+        self.paths = paths
         self.argv = [sys.executable, "-m", "kvstreamd.cli", "preload", *map(str, paths), "--socket", str(socket),
                      "--quiet", *(["--model", model] if model else [])]
         self.state = "starting"  # then "running", "done" (every document pinned) or "failed"
@@ -42,8 +50,9 @@ class PreloadChild:
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
+    async def start(self) -> None:
+        if self.paths:  # after the API is up: the child stores through it
+            self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         try:
@@ -91,7 +100,9 @@ class PreloadChild:
         log.error("preload: %s", message)
         self.errors = (self.errors + [message])[-KEPT_ERRORS:]
 
-    def info(self) -> dict:
+    def status(self) -> dict | None:
+        if not self.paths:
+            return None
         return {"state": self.state, **self.counts, "errors": self.errors, "returncode": self.returncode}
 
     async def stop(self) -> None:

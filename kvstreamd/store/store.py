@@ -375,6 +375,12 @@ class Store:
         self._run_callbacks()
         return n
 
+    def reconfigure(self, cfg) -> None:
+        """SIGHUP: the [store] budgets of `cfg` (a kvstreamd Config), evicting down to them now
+        (blocking: call it off the event loop)."""
+        self.set_budgets(cfg.store.memory_budget, cfg.store.disk_budget)
+        self.set_pin_budget(cfg.store.pin_budget)
+
     def set_pin_budget(self, budget: int) -> None:
         """A new pin budget (SIGHUP). Pins held already stay, even over it; new ones must fit."""
         if budget < 0:

@@ -1,0 +1,175 @@
+"""A node's puts: a context's KV, handed over in shared memory, chunked, encoded at every
+configured level in the codec pool, stored and (through the store) advertised."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from codec.parallel import WorkerLost
+from codec.profile import Profile
+
+from kvstreamd.coder import Coder
+from kvstreamd.config import Config
+from kvstreamd.handoff.shm import Reader as SegmentReader, ShmError
+from kvstreamd.metrics import Metrics
+from kvstreamd.node.errors import RequestError
+from kvstreamd.node.pins import Pins
+from kvstreamd.store.chunkfile import ChunkRecord
+from kvstreamd.store.keys import chunk_keys
+from kvstreamd.store.store import NO_ROOM, Store, StoreError
+
+log = logging.getLogger("kvstreamd.node")
+
+
+@dataclass
+class _PutOutcome:
+    stored: int = 0  # chunks the store took
+    held: int = 0  # chunks it held already
+    disk_error: OSError | None = None  # a chunk of this put could not be written to disk
+    refused: tuple[int, StoreError] | None = None  # the chunk the store refused (the put stopped there)
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _where(placement: list[str | None]) -> str:
+    """Where a put's chunks are, in words: "chunks 0-2 are on disk; chunk 3 is held in memory only"."""
+    n, parts = len(placement), []
+    for where, words in (("disk", "on disk"), ("memory", "held in memory only and lost on a restart"),
+                         (None, "not held")):
+        idx = [i for i, w in enumerate(placement) if w == where]
+        if idx:
+            parts.append(f"chunk{'s' if len(idx) > 1 else ''} {_ranges(idx)} of {n} "
+                         f"{'are' if len(idx) > 1 else 'is'} {words}")
+    return "; ".join(parts)
+
+
+class Puts:
+    def __init__(self, cfg: Config, store: Store, coder: Coder, metrics: Metrics, pins: Pins,
+                 profile_for: Callable[[str], Profile]) -> None:
+        self.chunk_tokens = cfg.codec.chunk_tokens
+        self.levels = tuple(cfg.codec.levels)  # each chunk is stored at every one of them
+        self.store = store
+        self.coder = coder
+        self.metrics = metrics
+        self.pins = pins
+        self.profile_for = profile_for  # model id -> its profile; RequestError for an unknown model
+
+    def reconfigure(self, cfg: Config) -> None:
+        self.levels = tuple(cfg.codec.levels)  # puts from now on
+
+    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
+                  start: int = 0, pin: bool = False) -> dict:
+        """Store a context whose KV the client left in the shared-memory segment `buffer`. With
+        `start` (a multiple of chunk_tokens, below len(tokens)) the segment holds only the KV of
+        tokens[start:], and the chunks before it must be held here already: a long context is
+        put piece by piece, so that no one request needs all of its KV in memory at once. `pin`:
+        pin the whole context once stored (see pin())."""
+        prof = self.profile_for(model_id)
+        ct = self.chunk_tokens
+        if pin:
+            self.pins.room_to_pin(chunk_keys(model_id, tokens, ct)[-1])  # before any encoding
+        if start % ct or not 0 <= start < len(tokens):
+            raise RequestError(400, "bad_start", f"start {start} must be a multiple of chunk_tokens ({ct}) "
+                                                 f"below the {len(tokens)} tokens")
+        want = (prof.layers, 2, len(tokens) - start, prof.heads, prof.head_dim)
+        if tuple(shape) != want:
+            raise RequestError(400, "bad_shape", f"KV shape {list(shape)} is not [L, 2, T, H, D] = {list(want)} "
+                                                 f"for {model_id} and tokens {start}..{len(tokens)}")
+        if start:
+            prefix = chunk_keys(model_id, tokens[:start], ct)
+            missing = next((i for i, k in enumerate(prefix) if not self.store.has(k)), None)
+            if missing is not None:
+                raise RequestError(409, "missing_prefix", f"chunk {missing} of the {len(prefix)} before start "
+                                                          f"{start} is not held here: put them first")
+        try:  # read by copy, never mapped: the client may truncate it under us (shm trap 4)
+            seg = SegmentReader.open(buffer, tuple(shape), dtype)
+        except ShmError as e:
+            raise RequestError(400, "bad_buffer", str(e)) from None
+        t0 = time.perf_counter()
+        try:
+            out = await self._put(model_id, tokens, seg, prof, start)
+        except WorkerLost as e:
+            raise RequestError(503, "codec_unavailable", f"encoding failed: {e}") from None
+        except ShmError as e:  # the client shrank the segment mid-put; the chunks read before it are kept
+            raise RequestError(400, "bad_buffer", str(e)) from None
+        finally:
+            seg.close()
+        keys = chunk_keys(model_id, tokens, self.chunk_tokens)
+        # Where each chunk is as the put ends (a later chunk may have evicted an earlier one), so
+        # that nothing it answers "stored" is lost unsaid: "memory" chunks go with a restart.
+        placement = self.store.placement(keys)
+        reply = {"keys": [k.hex() for k in keys], "stored_chunks": out.stored, "already_held": out.held,
+                 "placement": placement, "seconds": round(time.perf_counter() - t0, 4)}
+        if out.refused is not None:
+            i, e = out.refused
+            code = "store_full" if e.os_error is None else "disk_full" if e.os_error.errno in NO_ROOM else "disk_error"
+            raise RequestError(507, code, f"chunk {i} of {len(keys)} is refused, and the chunks after it: {e}. "
+                                          f"{_where(placement)}", {"put": reply})
+        if out.disk_error is not None:
+            full = out.disk_error.errno in NO_ROOM
+            raise RequestError(507, "disk_full" if full else "disk_error",
+                               f"the store's disk {'is full' if full else 'fails'} ({out.disk_error}): "
+                               f"{_where(placement)}", {"put": reply})
+        if pin:
+            reply["pinned"] = await self.pins.pin_keys(keys, {"put": reply})
+        return reply
+
+    async def _put(self, model_id: str, tokens: list[int], kv: SegmentReader, prof: Profile,
+                   start: int = 0) -> _PutOutcome:
+        """Chunk, encode every level (in the codec pool), store, advertise. Chunks already held
+        are skipped before any encoding. A chunk the store refuses ends the put (the chunks after
+        it could not be found without it). kv holds tokens[start:] (start: a chunk boundary)."""
+        ct = self.chunk_tokens
+        keys = chunk_keys(model_id, tokens, ct)
+        dtype = str(kv.dtype).removeprefix("torch.")
+        out = _PutOutcome()
+        t0 = time.perf_counter()
+        for i, key in enumerate(keys):
+            if i * ct < start:
+                continue
+            if self.store.has(key):
+                out.held += 1
+                self.metrics.puts.labels("already_held").inc()
+                if self.store.placement([key]) == ["memory"]:  # its write failed before: again, now
+                    again = await asyncio.to_thread(self.store.persist, key)
+                    out.disk_error = out.disk_error or (again.disk_error if again is not None else None)
+                continue
+            s, e = i * ct, min((i + 1) * ct, len(tokens))
+            payloads = {}
+            shape = (kv.shape[0], 2, e - s, *kv.shape[3:])
+            with self.coder.staged(shape, kv.dtype) as chunk:  # read once, where the codec workers code it
+                await asyncio.to_thread(kv.read, s - start, e - start, 2, chunk)  # kv[:, :, s:e], copied
+                for level in self.levels:
+                    payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
+                    self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
+                del chunk
+            rec = ChunkRecord(key, keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]), dtype,
+                              shape, payloads, time.time())
+            try:
+                put = await asyncio.to_thread(self.store.put_to, rec)
+            except StoreError as e:
+                out.refused = (i, e)
+                self.metrics.puts.labels("refused").inc()
+                break
+            if put is not None:
+                out.stored += 1
+                out.disk_error = out.disk_error or put.disk_error
+                self.metrics.puts.labels("stored" if put.on_disk else "memory_only").inc()
+            else:
+                out.held += 1
+        self.metrics.encode_seconds.observe(time.perf_counter() - t0)
+        log.info("put %s: %d tokens from %d, %d chunks stored, %d already held%s, %.2f s", model_id, len(tokens),
+                 start, out.stored, out.held, f", chunk {out.refused[0]} refused" if out.refused else "", time.perf_counter() - t0)
+        return out
