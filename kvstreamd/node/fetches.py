@@ -52,15 +52,18 @@ class Fetches:
         self.gpu_why = gpu_why
         self.stopping = False
         self._stages: dict[bytes, object] = {}  # codec.gpu stages per profile id
-        self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches that need a peer
-        self._local_slots = asyncio.Semaphore(cfg.api.max_fetches)  # fetches the local store serves whole
+        self._set_slots(cfg.api.max_fetches)
         self.active: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()  # fetched chunks being stored
 
+    def _set_slots(self, n: int) -> None:
+        self.max_fetches = n  # in each pool
+        self._fetch_slots = asyncio.Semaphore(n)  # fetches that need a peer
+        self._local_slots = asyncio.Semaphore(n)  # fetches the local store serves whole (or nothing)
+
     def reconfigure(self, cfg: Config) -> None:
-        if cfg.api.max_fetches != self.cfg.api.max_fetches:  # fetches from now on take the new slots
-            self._fetch_slots = asyncio.Semaphore(cfg.api.max_fetches)
-            self._local_slots = asyncio.Semaphore(cfg.api.max_fetches)
+        if cfg.api.max_fetches != self.max_fetches:  # fetches from now on take the new slots
+            self._set_slots(cfg.api.max_fetches)
         self.cfg = cfg
 
     def options(self, req: FetchRequest) -> FetchOptions:
