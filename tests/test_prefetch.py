@@ -93,7 +93,7 @@ def idle(prefetch: dict) -> bool:
 async def settle(d) -> None:
     """Until d's prefetches are done and no fetch of its own is running."""
     for _ in range(400):
-        if idle(d.node.prefetch.info()):
+        if idle(d.node.features["prefetch"].status()):
             return
         await asyncio.sleep(0.025)
     raise TimeoutError("prefetch did not settle")
@@ -172,7 +172,7 @@ async def test_unused_prefetched_chunks_stay_within_their_share_of_the_memory_bu
         await fetch_on(b, tokens)
     held = [b.store.longest_prefix(chunk_keys(MODEL, t, 256)) for t in (y1, y2)]
     assert held == [0, 2]
-    assert 0 < b.node.prefetch.info()["unused_bytes"] <= 0.25 * budget
+    assert 0 < b.node.features["prefetch"].status()["unused_bytes"] <= 0.25 * budget
 
 
 # -- two daemon processes ----------------------------------------------------------------------
