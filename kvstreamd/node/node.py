@@ -220,8 +220,7 @@ class Node:
                     payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
                     self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
                 del chunk
-            rec = ChunkRecord(key, keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]), dtype,
-                              shape, payloads, time.time())
+            rec = ChunkRecord.of_chunk(keys, i, (s, e), model_id, tokens, dtype, shape, payloads, time.time())
             try:
                 put = await asyncio.to_thread(self.store.put_to, rec)
             except StoreError as e:
@@ -374,8 +373,8 @@ class Node:
             if self.store.has(key):
                 continue
             s, e = p.bounds[i]
-            rec = ChunkRecord(key, p.keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]),
-                              "float16", (prof.layers, 2, e - s, prof.heads, prof.head_dim), {level: payload})
+            rec = ChunkRecord.of_chunk(p.keys, i, (s, e), model_id, tokens, "float16",
+                                       (prof.layers, 2, e - s, prof.heads, prof.head_dim), {level: payload})
             try:
                 if await asyncio.to_thread(self.store.put_to, rec) is not None:
                     kept += 1
