@@ -299,9 +299,12 @@ def test_text_wire_bytes_is_the_size_the_decoder_sees(tokens, per_id, req, i):
     (fields, wire), = list(dec)
     assert from_wire(fields) == msg
     assert frames.text_wire_bytes(tokens, req, i) == wire
-    uint = lambda n: 1 if n < 128 else 2 if n < 256 else 3 if n < 2**16 else 5  # noqa: E731
-    # prefix 4, fixmap 1, "t" "TEXT" "req" "i" "tokens" 20, a 900-id array's header 3
-    assert wire == 4 + 1 + 20 + uint(req) + uint(i) + 3 + per_id * len(tokens)
+    # prefix 4, fixmap 1, "t" "TEXT" "req" "i" "tokens" 20, req and i, a 900-id array's header 3
+    assert wire == 4 + 1 + 20 + _msgpack_uint(req) + _msgpack_uint(i) + 3 + per_id * len(tokens)
+
+
+def _msgpack_uint(n: int) -> int:
+    return 1 if n < 128 else 2 if n < 256 else 3 if n < 2**16 else 5
 
 
 def test_text_wire_bytes_for_a_count_bounds_every_list_of_that_many_ids():
