@@ -26,16 +26,24 @@ def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Pr
     if profile is None:
         raise ValueError("encode needs the model's profile (codec.profile.for_model(model_id))")
     profile.check_shape(L, H, D)
+    h = header_of(kv, lv, profile, start)
+    angles = key_angles(h.transforms, start, h.sink_tokens, T, profile)
+    h.substreams = [encode_stream(kv[layer, k_or_v], layer, k_or_v, h.transforms, h.steps, lv.anchor_step, start,
+                                  h.sink_tokens, profile, angles) for layer in range(L) for k_or_v in range(2)]
+    return bs.pack(h)
+
+
+def header_of(kv: torch.Tensor, lv: levels.Level, profile: Profile, start: int) -> bs.Header:
+    """The header of chunk kv [L, 2, T, H, D] coded at `lv` with `profile` from position
+    `start`, its substreams still to fill in: the transforms, sink rows and steps they are
+    coded with, and what the bitstream says of itself (its layers among them). Every encoder
+    (encode, codec.parallel's pool) builds it here, so their chunks cannot differ."""
+    L, _, T, H, D = kv.shape
     transforms = transforms_for(lv, profile)
-    steps = lv.steps(profile)
     ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
     sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
-    angles = key_angles(transforms, start, ns, T, profile)
-    subs = [encode_stream(kv[layer, k_or_v], layer, k_or_v, transforms, steps, lv.anchor_step, start, ns, profile,
-                          angles) for layer in range(L) for k_or_v in range(2)]
-    header = bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
-                       ns, steps, lv.anchor_step, memoryview(sink), subs, layer_ids_of(profile))
-    return bs.pack(header)
+    return bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
+                     ns, lv.steps(profile), lv.anchor_step, memoryview(sink), [], layer_ids_of(profile))
 
 
 def transforms_for(lv: levels.Level, profile: Profile) -> int:

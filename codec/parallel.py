@@ -140,11 +140,13 @@ def _decode_into(dest: Destination, name: str, size: int, data_len: int, streams
             pass
 
 
-def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str, profile_id: bytes, start: int,
-                 sink_rows: int, streams: range) -> list[bytes]:
+def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str, profile_id: bytes,
+                 layer_ids: tuple[int, ...] | None, start: int, sink_rows: int, streams: range) -> list[bytes]:
     mm = worker_map(name, size)
     kv = torch.frombuffer(mm, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
     lv, profile = levels.get(level), profiles.find(profile_id)
+    if layer_ids is not None:  # a chunk of some layers: coded with those layers' tables, as its header says
+        profile = profile.whole().subset(layer_ids)
     steps = lv.steps(profile)
     transforms = cachegen.transforms_for(lv, profile)
     angles = cachegen.key_angles(transforms, start, sink_rows, shape[2], profile)
@@ -413,20 +415,15 @@ class CodecPool:
             np.frombuffer(taken[1], np.uint8, count=raw.nbytes)[:] = raw
             staged = (taken[0], len(taken[1]))
         try:
-            L, _, T, H, D = kv.shape
-            transforms = cachegen.transforms_for(lv, profile)
-            ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
-            subs = [s for part in self._run([(k, _encode_part, *staged, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
-                                              lv.name, profile.id, start, ns, run)
-                                             for k, run in enumerate(split(2 * L, self.workers))])
-                    for s in part]
+            h = cachegen.header_of(kv, lv, profile, start)
+            h.substreams = [s for part in self._run([(k, _encode_part, *staged, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
+                                                      lv.name, profile.id, h.layer_ids, start, h.sink_tokens, run)
+                                                     for k, run in enumerate(split(2 * h.layers, self.workers))])
+                            for s in part]
         finally:
             if taken is not None:
                 self._arena.give(*taken)
-        sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
-        header = bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
-                           ns, lv.steps(profile), lv.anchor_step, memoryview(sink), subs)
-        return bs.pack(header)
+        return bs.pack(h)
 
     def close(self) -> None:
         self._closed = True  # before the workers go: the watcher must not replace them

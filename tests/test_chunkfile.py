@@ -22,11 +22,19 @@ TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
 
 
 def record(index=1) -> ChunkRecord:
+    return chunkfile.normalise(ChunkRecord.of_chunk(
+        chunk_keys(MODEL, TOKENS, 4), index, (4 * index, 4 * index + 4), MODEL, TOKENS, "float16", (30, 2, 4, 3, 64),
+        {"balanced": bytes(range(20)), "fast": b"\x07" * 9, "text": b""}, created=1764580000.25))
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_record_of_a_chunk_takes_its_parent_start_and_tokens_from_the_context(index):
     keys = chunk_keys(MODEL, TOKENS, 4)
-    return chunkfile.normalise(ChunkRecord(
-        key=keys[index], parent=keys[index - 1] if index else None, index=index, start=4 * index,
-        model_id=MODEL, tokens=tuple(TOKENS[4 * index:4 * index + 4]), dtype="float16", shape=(30, 2, 4, 3, 64),
-        levels={"balanced": bytes(range(20)), "fast": b"\x07" * 9, "text": b""}, created=1764580000.25))
+    rec = ChunkRecord.of_chunk(keys, index, (4 * index, 4 * index + 4), MODEL, TOKENS, "float16",
+                               (30, 2, 4, 3, 64), {"fast": b"x"})
+    assert rec == ChunkRecord(keys[index], keys[index - 1] if index else None, index, 4 * index, MODEL,
+                              tuple(TOKENS[4 * index:4 * index + 4]), "float16", (30, 2, 4, 3, 64), {"fast": b"x"}, 0.0)
+    assert chunkfile.normalise(rec).key == keys[index]  # the key is the chunk's: parent, model and tokens
 
 
 def header_of(rec: ChunkRecord) -> dict:

@@ -112,6 +112,23 @@ def test_pool_workers_come_warm_for_chunks_before_the_window(hybrid_profile):
         assert pool.streams_with_tables(hybrid_profile) == warm
 
 
+@pytest.mark.parametrize("layers", [None, (1, 3)])
+def test_the_pool_codes_a_chunk_to_the_very_bytes_codec_encode_does(hybrid_profile, layers):
+    """Both build the header with cachegen.header_of: the pool's chunk of some layers (coded with
+    Profile.subset) names its layers as codec.encode's does, and its streams use their tables."""
+    from codec.parallel import CodecPool
+
+    prof = hybrid_profile if layers is None else hybrid_profile.subset(layers)
+    kv = hybrid_kv(CHUNK, 9) if layers is None else hybrid_kv(CHUNK, 9)[list(layers)].contiguous()
+    with CodecPool(2, profile_paths=(hybrid_profile.path,), warm_levels=()) as pool:
+        for level, start in (("high", 0), ("fast", 4096)):  # sink rows travel at 0
+            data = codec.encode(kv, level, prof, start=start)
+            got = pool.encode(kv, level, prof, start=start)
+            assert bs.unpack(got).layer_ids == bs.unpack(data).layer_ids == layers
+            assert got == data
+            assert torch.equal(pool.decode(got), codec.decode(data))
+
+
 def test_a_damaged_layer_list_is_refused(hybrid_profile):
     cut = bytearray(codec.select_layers(codec.encode(hybrid_kv(64, 1), "high", hybrid_profile, start=0), (0, 2)))
     pos = bs._FIXED.size

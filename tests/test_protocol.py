@@ -285,6 +285,35 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+@pytest.mark.parametrize("tokens, per_id", [
+    ([0, 1, 127] * 300, 1),  # below 128: a positive fixint
+    ([128, 200, 255] * 300, 2),  # uint8
+    ([256, 30_000, 49_151] * 300, 3),  # uint16: all of SmolLM2's 49,152 ids from 256 on
+    ([65_536, 200_000, 262_143] * 300, 5),  # uint32: Gemma 3's 262,144 ids from 65,536 on
+])
+@pytest.mark.parametrize("req, i", [(0, 0), (1, 7), (300, 70_000)])
+def test_text_wire_bytes_is_the_size_the_decoder_sees(tokens, per_id, req, i):
+    msg = Text(req, i, tokens)
+    dec = frames.FrameDecoder()
+    dec.feed(frames.encode_frame(to_wire(msg)))
+    (fields, wire), = list(dec)
+    assert from_wire(fields) == msg
+    assert frames.text_wire_bytes(tokens, req, i) == wire
+    # prefix 4, fixmap 1, "t" "TEXT" "req" "i" "tokens" 20, req and i, a 900-id array's header 3
+    assert wire == 4 + 1 + 20 + _msgpack_uint(req) + _msgpack_uint(i) + 3 + per_id * len(tokens)
+
+
+def _msgpack_uint(n: int) -> int:
+    return 1 if n < 128 else 2 if n < 256 else 3 if n < 2**16 else 5
+
+
+def test_text_wire_bytes_for_a_count_bounds_every_list_of_that_many_ids():
+    assert frames.text_wire_bytes_for(1024, 49_152) == 3 * 1024 + 30 == frames.text_wire_bytes([49_151] * 1024)
+    assert frames.text_wire_bytes_for(1024, 262_144) == 5 * 1024 + 30
+    assert frames.text_wire_bytes_for(10, 100) == 10 + 28
+    assert frames.text_wire_bytes(range(1024)) < frames.text_wire_bytes_for(1024, 49_152)
+
+
 def test_decoder_yields_frames_with_their_wire_size_across_splits():
     data = frame(t="PING", t2=1) + frame(t="PONG")
     dec = frames.FrameDecoder(1000)

@@ -2,11 +2,11 @@
 values through uncopied; decoding takes arbitrary byte slices and yields whole frames."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import msgpack
 
-from .messages import BAD_FRAME, FRAME_TOO_LARGE, ProtocolError
+from .messages import BAD_FRAME, FRAME_TOO_LARGE, ProtocolError, Text, to_wire
 
 DEFAULT_MAX_FRAME_BYTES = 128 * 2**20  # a raw fp16 4096-token chunk of a small model fits
 LENGTH_BYTES = 4
@@ -55,6 +55,20 @@ def encode_parts(fields: dict[str, Any]) -> tuple[list[bytes | memoryview], int]
 def encode_frame(fields: dict[str, Any]) -> bytes:
     """One frame as bytes (length prefix included)."""
     return b"".join(encode_parts(fields)[0])
+
+
+def text_wire_bytes(tokens: Sequence[int], req: int = 0, i: int = 0) -> int:
+    """What a TEXT of these token ids costs on the wire: its whole frame, length prefix
+    included, which is what the fetcher's ACK reports as recv_bytes. Exact, since it is the
+    encoding itself: msgpack spends 1 byte on an id below 128, 2 below 256, 3 below 65,536
+    and 5 above, plus about 25 bytes of prefix, map and field names (req and i: 1-5 each)."""
+    return encode_parts(to_wire(Text(req, i, list(tokens))))[1]
+
+
+def text_wire_bytes_for(n: int, vocab: int) -> int:
+    """A TEXT of `n` token ids from a vocabulary of `vocab` when the ids are not known: every id
+    as wide as the largest (vocab - 1), so no list of n such ids costs more."""
+    return text_wire_bytes([vocab - 1] * n)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:

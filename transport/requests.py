@@ -6,6 +6,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
+from .frames import text_wire_bytes
 from .messages import (BAD_CRC, BAD_REQUEST, INTERNAL, Ack, Cancel, Chunk, End, Error, Fetch,
                        Message, ProtocolError, Text)
 
@@ -142,7 +143,7 @@ def ending(r: Request, now: float, failure: str | None = None) -> End | Error:
 
 def held_bytes(msg: Chunk | Text) -> int:
     """What a received chunk costs to hold until the application takes it."""
-    return len(msg.payload) if isinstance(msg, Chunk) else 4 * len(msg.tokens)
+    return len(msg.payload) if isinstance(msg, Chunk) else text_wire_bytes(msg.tokens, msg.req, msg.i)
 
 
 class ReceiveBuffer:

@@ -10,6 +10,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .bandwidth import BandwidthEstimator, Probe
+from .frames import text_wire_bytes_for
 from .policy import TEXT, Rule, Situation, receiver_work
 
 # CacheGen draws each chunk's bandwidth from 0.1-10 Gbps; this machine's loopback carries far
@@ -25,7 +26,7 @@ BITS_PER_ELEMENT = {"int8": 8.083, "high": 3.064, "balanced": 2.303, "fast": 1.3
 # with both cores (a pool of 2 processes), as the daemon decodes them.
 DECODE_MB_S = {"int8": 751.0, "high": 120.0, "balanced": 135.0, "fast": 147.0}
 RECOMPUTE_S = 3.5  # prefill of 1024 tokens on this machine's CPU
-TEXT_BYTES = 3 * 1024  # 1024 token ids as msgpack uint16 (3 bytes each, vocabulary 49,152)
+TEXT_BYTES = text_wire_bytes_for(1024, 49_152)  # a TEXT frame of 1024 ids of SmolLM2's vocabulary
 
 
 def generate(seed: int, chunks: int, gbps: tuple[float, float] = PAPER_GBPS,

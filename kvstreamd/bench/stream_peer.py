@@ -21,6 +21,7 @@ from kvstreamd.store.keys import chunk_keys
 from kvstreamd.lab import netns
 from transport import aio
 from transport.bandwidth import BandwidthEstimator
+from transport.frames import text_wire_bytes
 from transport.policy import TEXT, adaptive_rule, cachegen_rule, fixed_rule
 from transport.send import send_chunks
 
@@ -69,8 +70,8 @@ async def serve(args) -> None:
     done = asyncio.get_running_loop().create_future()
 
     async def handler(served: aio.ServedFetch, fetch) -> None:
-        sizes = {lv: [len(p) for p in payloads[lv]] if lv != TEXT else [3 * len(c["tokens"]) for c in manifest["chunks"]]
-                 for lv in levels}
+        text = [text_wire_bytes(c["tokens"], served.req, i) for i, c in enumerate(manifest["chunks"])]
+        sizes = {lv: [len(p) for p in payloads[lv]] if lv != TEXT else text for lv in levels}
         estimator = BandwidthEstimator()
         receiver = dict(work)
         if fetch.decode_mbps:
@@ -134,7 +135,7 @@ async def fetch(args) -> None:
                 got.append(msg.level)
                 decoded.append(asyncio.ensure_future(asyncio.to_thread(decode, msg)))
             else:
-                nbytes += 3 * len(msg.tokens)
+                nbytes += text_wire_bytes(msg.tokens, msg.req, msg.i)
                 got.append(TEXT)
                 decoded.append(asyncio.ensure_future(recompute(msg.i, msg.tokens)))
         kv = [await f for f in decoded]

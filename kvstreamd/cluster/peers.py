@@ -14,7 +14,12 @@ from typing import Callable
 
 from transport import aio
 from transport.bandwidth import PeerBandwidth
+<<<<<<< HEAD
 from transport.messages import BAD_MESSAGE, NOT_FOUND, Fetch
+=======
+from transport.frames import text_wire_bytes
+from transport.messages import BAD_MESSAGE, NOT_FOUND, Advertise, Fetch, Withdraw
+>>>>>>> facts
 from codec import catalog, select_layers
 from codec.errors import CodecError
 from codec.layout import Layout
@@ -351,7 +356,7 @@ class PeerManager:
         sizes = {lv: s[:held] for lv, s in sizes.items()}
         served.chunk_keys = [r.key for r in recs]  # each CHUNK says which chunk it is, from the record
         shares = [1.0 if c is None else len(c) / r.shape[0] for r, c in zip(recs, cuts)]
-        sizes[TEXT] = [4 * len(r.tokens) + 16 for r in recs]
+        sizes[TEXT] = [text_wire_bytes(r.tokens, served.req, i) for i, r in enumerate(recs)]
         caps = served.peer.peer_caps or {}
         decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
         recompute_tps = float(fetch.recompute_tps or caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)

@@ -306,9 +306,8 @@ class Prefetcher(Feature):
                 if not await self._room(cfg, ctx.id, len(msg.payload)):
                     return "no_room"
                 s, e = ctx.bounds[j]
-                rec = ChunkRecord(ctx.keys[j], ctx.keys[j - 1] if j else None, j, s, ctx.model_id,
-                                  tuple(ctx.tokens[s:e]), "float16",
-                                  (prof.layers, 2, e - s, prof.heads, prof.head_dim), {msg.level: msg.payload})
+                rec = ChunkRecord.of_chunk(ctx.keys, j, (s, e), ctx.model_id, ctx.tokens, "float16",
+                                           (prof.layers, 2, e - s, prof.heads, prof.head_dim), {msg.level: msg.payload})
                 try:
                     stored = await asyncio.to_thread(self.store.put_to, rec)
                 except StoreError as err:

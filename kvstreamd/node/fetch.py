@@ -28,6 +28,7 @@ from codec import catalog, select_layers
 from codec.errors import CodecError
 from codec.layout import PrefixKV
 from transport import aio
+from transport.frames import text_wire_bytes
 from transport.messages import BAD_CRC, NOT_FOUND
 from transport.policy import TEXT
 
@@ -132,7 +133,7 @@ class _Item:
     arrived: float = 0.0
     error: str | None = None
     kv: torch.Tensor | None = None  # decoded: [layers the chunk holds, 2, T, H, D]
-    nbytes: int = 0  # wire bytes of the chunk (payload, or 4 per token for TEXT)
+    nbytes: int = 0  # wire bytes of the chunk (payload, or the TEXT's whole frame: frames.text_wire_bytes)
     staged: object = None  # codec.gpu.Staged: parsed and uploaded on the receive stream
     filled: bool = False  # decoded straight into the buffer: nothing for the fill stage to copy
 
@@ -371,7 +372,7 @@ class FetchJob:
                             return False  # not trusted for the rest of this fetch
                         item = _Item(j, "kv", msg.level, peer, msg.payload, time.monotonic(), nbytes=len(msg.payload))
                     else:
-                        item = _Item(j, "text", TEXT, peer, arrived=time.monotonic(), nbytes=4 * len(msg.tokens))
+                        item = _Item(j, "text", TEXT, peer, arrived=time.monotonic(), nbytes=text_wire_bytes(msg.tokens, msg.req, msg.i))
                     if shares.arrived(j):
                         self.metrics.chunks.labels(item.level, "received").inc()
                         await self._upload(item)

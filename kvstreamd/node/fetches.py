@@ -198,8 +198,8 @@ class Fetches:
             if self.store.has(key):
                 continue
             s, e = p.bounds[i]
-            rec = ChunkRecord(key, p.keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]),
-                              "float16", (prof.layers, 2, e - s, prof.heads, prof.head_dim), {level: payload})
+            rec = ChunkRecord.of_chunk(p.keys, i, (s, e), model_id, tokens, "float16",
+                                       (prof.layers, 2, e - s, prof.heads, prof.head_dim), {level: payload})
             try:
                 if await asyncio.to_thread(self.store.put_to, rec) is not None:
                     kept += 1

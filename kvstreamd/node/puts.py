@@ -155,8 +155,7 @@ class Puts:
                     payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
                     self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
                 del chunk
-            rec = ChunkRecord(key, keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]), dtype,
-                              shape, payloads, time.time())
+            rec = ChunkRecord.of_chunk(keys, i, (s, e), model_id, tokens, dtype, shape, payloads, time.time())
             try:
                 put = await asyncio.to_thread(self.store.put_to, rec)
             except StoreError as e:

@@ -31,7 +31,7 @@ import time
 import types
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Mapping
+from typing import BinaryIO, Callable, Mapping, Sequence
 
 import msgpack
 
@@ -59,6 +59,16 @@ class ChunkRecord:
     shape: tuple[int, ...]  # KV shape of this chunk [L, 2, T, H, D]
     levels: Mapping[str, bytes]  # level name -> encoded payload
     created: float = 0.0  # time.time() at put; 0 means "stamp it at put", other values are kept
+
+    @classmethod
+    def of_chunk(cls, keys: Sequence[bytes], i: int, span: tuple[int, int], model_id: str,
+                 tokens: Sequence[int], dtype: str, shape: tuple[int, ...], levels: Mapping[str, bytes],
+                 created: float = 0.0) -> ChunkRecord:
+        """Chunk i of a context whose chunk keys are `keys` and token ids `tokens`: it covers
+        tokens[span[0]:span[1]], and its parent is chunk i - 1 (none for chunk 0)."""
+        s, e = span
+        return cls(keys[i], keys[i - 1] if i else None, i, s, model_id, tuple(tokens[s:e]), dtype, shape,
+                   levels, created)
 
     @property
     def nbytes(self) -> int:
