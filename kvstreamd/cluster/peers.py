@@ -14,12 +14,8 @@ from typing import Callable
 
 from transport import aio
 from transport.bandwidth import PeerBandwidth
-<<<<<<< HEAD
-from transport.messages import BAD_MESSAGE, NOT_FOUND, Fetch
-=======
 from transport.frames import text_wire_bytes
-from transport.messages import BAD_MESSAGE, NOT_FOUND, Advertise, Fetch, Withdraw
->>>>>>> facts
+from transport.messages import BAD_MESSAGE, NOT_FOUND, Fetch
 from codec import catalog, select_layers
 from codec.errors import CodecError
 from codec.layout import Layout
