@@ -59,7 +59,7 @@ CHANGES = {
     ("fetch", "deadline_ms"): ({"fetch": {"deadline_ms": 1234}}, lambda d: options(d).deadline_ms == 1234),
     ("fetch", "recompute_tokens_per_s"): ({"fetch": {"recompute_tokens_per_s": 99.0}},
                                           lambda d: options(d).recompute_tokens_per_s == 99.0
-                                          and d.peers.recompute_tokens_per_s == 99.0),
+                                          and d.peers.serving.recompute_tokens_per_s == 99.0),
     ("fetch", "stall_s"): ({"fetch": {"stall_s": 0.7}}, lambda d: options(d).stall_s == 0.7),
     ("directory", "idle_s"): ({"directory": {"idle_s": 12.0}}, lambda d: d.peers.idle_s == 12.0),
     ("policy", "experiment"): ({"policy": {"experiment": {"fraction": 1.0, "rule": "cachegen", "levels": ["fast"]}}},

@@ -1,8 +1,8 @@
-"""Peer side of the daemon: the TCP listener, a dialer per configured peer (retried with
-backoff), connections dialled when a fetch needs a peer the directory named (closed again once
-idle), each connection and each message that is not a fetch's handed to the directory backend
-(the built-in one exchanges held chunk keys over them), and the serving of peers' FETCHes with per-chunk level choice from
-the measured link."""
+"""The peer connections: the TCP listener, a dialer per configured peer (retried with backoff),
+connections dialled when a fetch needs a peer the directory named (closed again once idle), and
+each connection and each message that is not a fetch's handed to the directory backend (the
+built-in one exchanges held chunk keys over them). The FETCHes peers send are served by
+serving.py."""
 from __future__ import annotations
 
 import asyncio
@@ -14,19 +14,12 @@ from typing import Callable
 
 from transport import aio
 from transport.bandwidth import PeerBandwidth
-from transport.frames import text_wire_bytes
-from transport.messages import BAD_MESSAGE, NOT_FOUND, Fetch
-from codec import catalog, select_layers
-from codec.errors import CodecError
-from codec.layout import Layout
 from codec.profile import Profile
-from transport.policy import DEFAULT_RULE, RULES, TEXT, fixed_rule
-from transport.send import send_chunks
 
-from kvstreamd.cluster import serving
+from kvstreamd.cluster.serving import Serving
 from kvstreamd.config import ConfigError, PeerConfig, parse_hostport
 from kvstreamd.cluster.directory import Directory
-from kvstreamd.metrics import Metrics, new_request_id
+from kvstreamd.metrics import Metrics
 from kvstreamd.store.store import Store
 
 log = logging.getLogger("kvstreamd.peers")
@@ -57,9 +50,8 @@ class PeerManager:
         self.directory = directory
         self.metrics = metrics
         self.caps = caps
-        self.recompute_tokens_per_s = recompute_tokens_per_s
-        self.profile_for = profile_for  # model id -> its profile (layer windows, measured costs)
         self.bandwidth = PeerBandwidth()
+        self.serving = Serving(store, metrics, self.bandwidth, recompute_tokens_per_s, profile_for)
         self.server: aio.Server | None = None
         self.by_node: dict[str, set[aio.PeerConnection]] = {}
         self.configured: dict[tuple[str, int], PeerState] = {}
@@ -76,7 +68,7 @@ class PeerManager:
 
     async def start(self) -> None:
         host, port = self.cfg.listen
-        self.server = await aio.serve(host, port, self.node_id, self.secret, self._serve_fetch,
+        self.server = await aio.serve(host, port, self.node_id, self.secret, self.serving.serve,
                                       on_connect=self._accepted, caps=self.caps,
                                       max_frame_bytes=self.cfg.max_frame_bytes,
                                       handshake_timeout=self.cfg.handshake_timeout_s,
@@ -103,7 +95,7 @@ class PeerManager:
             self.secret = secret if secret is not None else self.secret
         self.cfg = cfg.peer
         self.idle_s = cfg.directory.idle_s
-        self.recompute_tokens_per_s = cfg.fetch.recompute_tokens_per_s
+        self.serving.recompute_tokens_per_s = cfg.fetch.recompute_tokens_per_s
         self.set_peers(cfg.peer.peers)
 
     @property
@@ -180,7 +172,7 @@ class PeerManager:
     async def _connect(self, host: str, port: int) -> aio.PeerConnection:
         """Dial a peer: TCP (TLS where configured) and the handshake, within its timeout."""
         return await asyncio.wait_for(
-            aio.connect(host, port, self.node_id, self.secret, handler=self._serve_fetch, caps=self.caps,
+            aio.connect(host, port, self.node_id, self.secret, handler=self.serving.serve, caps=self.caps,
                         max_frame_bytes=self.cfg.max_frame_bytes, handshake_timeout=self.cfg.handshake_timeout_s,
                         ssl=self.tls.client if self.tls else None),
             self.cfg.handshake_timeout_s + 5)
@@ -287,133 +279,6 @@ class PeerManager:
             self.metrics.peers_connected.set(len(self.connected()))
             log.info("peer %s: disconnected", peer)
 
-    # -- serving a peer's FETCH --------------------------------------------------------------
-
-    async def _serve_fetch(self, served: aio.ServedFetch, fetch: Fetch) -> None:
-        new_request_id()
-        peer = served.peer.peer_node_id or "?"
-        loop = asyncio.get_running_loop()
-        # Pinned so eviction cannot take a chunk mid-served; pinning reads disk-tier chunks, off the loop.
-        recs = await asyncio.to_thread(self.store.pin, fetch.keys)
-        try:
-            # a fetcher gone silent (no ACK, not reading) holds these pins no longer than this
-            async with asyncio.timeout_at(served.give_up_at):
-                done = await self._send(served, fetch, recs, peer, loop)
-        except TimeoutError:
-            log.warning("peer %s: req %d not served by its deadline + grace (the fetcher sends no ACK); "
-                        "given up", peer, served.req)
-            self.metrics.error("served_fetch_timed_out")
-            return  # the connection ends the request (ERROR internal: fewer chunks than asked)
-        finally:
-            self.store.unpin([r.key for r in recs if r is not None])
-        if done is None:
-            return
-        sent, busy, estimator, sender, t0 = done
-        self.metrics.peer_bytes.labels(peer, "out").inc(sent)
-        est = estimator.estimate()
-        if est and busy > 0:
-            self.metrics.link_utilisation.labels(peer).set(min(sent / busy / est, 1.0))
-        log.info("served %d chunks to %s in %.3f s (rule %s): levels %s", len(recs), peer, loop.time() - t0,
-                 fetch.rule or DEFAULT_RULE, ",".join(c.level for c in sender.choices))
-
-    async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
-        """Send the chunks, each at the level the FETCH's rule (default: the adaptive rule)
-        picks; None if some are not held or the rule is unknown."""
-        rule = RULES.get(fetch.rule or DEFAULT_RULE)
-        if rule is None:
-            self.metrics.error("fetch_unknown_rule")
-            await served.fail(BAD_MESSAGE, f"FETCH.rule: {fetch.rule[:64]!r} is not a level rule this node "
-                                           f"knows (known: {', '.join(RULES)})")
-            return None
-        # Chunks from the first one not held (evicted, or damaged on disk or in its header) are
-        # not sent: the held ones before it are, then NOT_FOUND names it, and the fetcher looks
-        # for it elsewhere.
-        # A chunk held here only at levels the fetcher did not ask for counts as not held: the
-        # fetcher takes it from a holder that has one (a node that kept chunks it fetched holds
-        # each at the level it came as).
-        asked = [lv for lv in fetch.levels if lv in catalog.SCHEMES]
-        none_asked = lambda r: bool(asked) and r.levels.keys().isdisjoint(asked)  # noqa: E731
-        held = next((i for i, r in enumerate(recs) if r is None or none_asked(r)), len(recs))
-        cuts = self._cuts(recs[:held], fetch.prefix_tokens)
-        coded = [lv for lv in asked if any(lv in r.levels for r in recs[:held])]
-        level_of = serving.nearest_held(recs, coded)
-        sizes, held = serving.coded_sizes(recs[:held], cuts, coded, level_of)
-        missing = None
-        if held < len(recs):
-            r = recs[held]
-            why = f"held here only at {', '.join(r.levels)}, not at a level asked" if r and none_asked(r) else "not held here"
-            missing = f"chunk {held} ({fetch.keys[held].hex()[:16]}) is {why}"
-        if missing:
-            self.metrics.error("fetch_not_found")
-        if held == 0:
-            await served.fail(NOT_FOUND, missing)
-            return None
-        recs, cuts = recs[:held], cuts[:held]
-        sizes = {lv: s[:held] for lv, s in sizes.items()}
-        served.chunk_keys = [r.key for r in recs]  # each CHUNK says which chunk it is, from the record
-        shares = [1.0 if c is None else len(c) / r.shape[0] for r, c in zip(recs, cuts)]
-        sizes[TEXT] = [text_wire_bytes(r.tokens, served.req, i) for i, r in enumerate(recs)]
-        caps = served.peer.peer_caps or {}
-        decode_mbps = fetch.decode_mbps or float(caps.get("decode_mbps") or 60.0)
-        recompute_tps = float(fetch.recompute_tps or caps.get("recompute_tokens_per_s") or self.recompute_tokens_per_s)
-        # The rule prices every chunk alike: a hybrid model's chunks outside the window are a
-        # fraction of the window's, so their mean, not the largest, is what the plan costs.
-        fp16_mb = sum(2 * _numel(r.shape) * share for r, share in zip(recs, shares)) / len(recs) / 1e6
-        work = {lv: catalog.decode_seconds(lv, fp16_mb, decode_mbps) for lv in coded}
-        work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
-        estimator = self.bandwidth.get(peer)
-        if len(asked) == 1 and asked == coded:
-            # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
-            rule = fixed_rule(coded[0])
-            sizes = {coded[0]: sizes[coded[0]]}
-        def payload(i: int, lv: str) -> bytes | None:  # cut when chosen: a baseline's cut decodes it
-            if cuts[i] is None:
-                return recs[i].levels[lv]
-            try:
-                return select_layers(recs[i].levels[lv], cuts[i])
-            except CodecError as e:
-                log.warning("peer %s: req %d: chunk %d (%s) does not cut: %s", peer, served.req, i, lv, e)
-                return None
-
-        done = await send_chunks(served, sizes, payload, lambda i: list(recs[i].tokens),
-                                 rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
-                                 on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc(),
-                                 count=held, level_of=level_of)
-        if done.stopped_at is not None:
-            self.metrics.error("fetch_not_found")
-            i = done.stopped_at
-            missing = f"chunk {i} ({fetch.keys[i].hex()[:16]}) is damaged here"
-        if missing:
-            await served.fail(NOT_FOUND, missing)
-        return done.coded_bytes, done.busy_s, estimator, done.sender, done.started
-
-    def _cuts(self, recs, prefix_tokens: int | None) -> list[tuple[int, ...] | None]:
-        """Per chunk, the layers that read the first prefix_tokens tokens, where that is not
-        all of them (None: the chunk goes whole, as for a fetcher that did not say, or a model
-        whose layers all hold every token)."""
-        cuts = []
-        for r in recs:
-            layout = self._layout(r.model_id) if prefix_tokens is not None else None
-            layers = layout.chunk_layers(r.start, r.start + len(r.tokens), prefix_tokens) if layout else None
-            cuts.append(None if layers is None or len(layers) == r.shape[0] else layers)
-        return cuts
-
-    def _measured(self, model_id: str) -> dict | None:
-        """The model's own Δppl per level, from its profile (None: the catalog's defaults)."""
-        try:
-            return self.profile_for(model_id).meta.get("level_dppl") if self.profile_for else None
-        except CodecError:
-            return None
-
-    def _layout(self, model_id: str) -> Layout | None:
-        if self.profile_for is None:
-            return None
-        try:
-            layout = self.profile_for(model_id).layout
-        except CodecError:
-            return None  # no profile here for it: every layer is sent
-        return None if layout.is_dense else layout
-
     # -- reporting -------------------------------------------------------------------------
 
     def info(self) -> list[dict]:
@@ -444,9 +309,3 @@ class PeerManager:
                 # seconds it is still left out of lookups after it stalled a fetch (pipeline.py)
                 "cooldown_s": round(c, 2) if nid and (c := self.directory.cooling(nid)) else None}
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
