@@ -454,3 +454,14 @@ def reloadable_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
             if getattr(a, fl.name) != getattr(b, fl.name):
                 (runtime if fl.metadata["reload"] else restart).append(f"[{name}] {fl.name}")
     return runtime, restart
+
+
+def reloaded(old: Config, new: Config) -> Config:
+    """What a running daemon on `old` runs on once it has reloaded `new`: `new`, except that the
+    keys that need a restart keep their running values."""
+    sections = {}
+    for name in _SECTIONS:
+        a, b = getattr(old, name), getattr(new, name)
+        keep = {k.name: getattr(a, k.name) for k in dataclasses.fields(a) if not k.metadata["reload"]}
+        sections[name] = dataclasses.replace(b, **keep)
+    return Config(**sections, source=new.source)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import secrets
@@ -254,7 +253,7 @@ class Daemon:
             return
         for key in restart:
             log.warning("reload: %s changed but needs a restart; keeping the running value", key)
-        self.cfg = _keep_restart_keys(self.cfg, new)
+        self.cfg = config_mod.reloaded(self.cfg, new)
         await asyncio.to_thread(self.store.reconfigure, self.cfg)
         for part in (self.peers, self.node):
             part.reconfigure(self.cfg)
@@ -266,18 +265,6 @@ class Daemon:
         while True:
             await asyncio.sleep(1.0)
             self.node.expire_buffers(time.monotonic())
-
-
-def _keep_restart_keys(old: Config, new: Config) -> Config:
-    """`new`, except that keys a running daemon cannot change keep their running values."""
-    sections = {}
-    for f in dataclasses.fields(Config):
-        if f.name == "source":
-            continue
-        a, b = getattr(old, f.name), getattr(new, f.name)
-        keep = {k.name: getattr(a, k.name) for k in dataclasses.fields(a) if not k.metadata.get("reload")}
-        sections[f.name] = dataclasses.replace(b, **keep)
-    return Config(**sections, source=new.source)
 
 
 async def _main(cfg: Config) -> int:
