@@ -306,6 +306,6 @@ class PeerManager:
                 "rtt_ms": round(conn.rtt * 1000, 3) if conn is not None and conn.rtt else None,
                 "last_error": st.last_error if st else None,
                 "next_retry_s": round(st.next_retry - time.time(), 2) if st and st.next_retry else None,
-                # seconds it is still left out of lookups after it stalled a fetch (pipeline.py)
+                # seconds it is still left out of lookups after it stalled a fetch (node/fetch.py)
                 "cooldown_s": round(c, 2) if nid and (c := self.directory.cooling(nid)) else None}
 

@@ -162,7 +162,7 @@ class Prefetcher(Feature):
             self._idle.set()
 
     def fetched(self, model_id: str, tokens: list[int], plan) -> None:
-        """A user fetch planned `plan` (pipeline.Plan): learn from it, count a hit where it found
+        """A user fetch planned `plan` (node.fetch.Plan): learn from it, count a hit where it found
         prefetched chunks here, and queue its likely successors."""
         if not plan.found:
             return

@@ -1,5 +1,5 @@
 """Which peer a fetch asks for which chunk, when several hold them: the bookkeeping alone, no
-I/O (pipeline.py streams what it hands out). The chunks are split among up to MAX_SOURCES
+I/O (node/fetch.py streams what it hands out). The chunks are split among up to MAX_SOURCES
 holders, each peer's share in proportion to its measured link, interleaved so that they arrive
 about in order (the fill stage takes them in order); a peer that fails or gives up hands its
 outstanding chunks back to the others; a peer with nothing left to ask for takes the second

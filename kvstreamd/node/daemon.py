@@ -1,5 +1,6 @@
-"""The daemon: builds the store, the peer manager, the codec pool and the node (node.py: the work
-local clients ask for), serves the local API, and owns the life cycle (start-up, SIGHUP reload,
+"""The daemon: builds the store, the peer manager, the codec pool, the node's features (one line
+each in `features()`) and the node (node.py: the work local clients ask for), serves the local
+API, and owns the life cycle (start-up, SIGHUP reload: each part's reconfigure(cfg) in turn,
 SIGTERM shutdown, and systemd's READY/STOPPING notifications)."""
 from __future__ import annotations
 
