@@ -2,7 +2,9 @@
 change here strands every stored chunk and splits the cluster."""
 from __future__ import annotations
 
-from kvstreamd.store.keys import KEY_BYTES, chunk_key, chunk_keys, prefix_keys
+import pytest
+
+from kvstreamd.store.keys import KEY_BYTES, chunk_bounds, chunk_key, chunk_keys, prefix_keys
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2**32 - 1]
@@ -33,3 +35,13 @@ def test_prefix_keys_match_the_pinned_values():
 def test_a_non_ascii_model_id_is_hashed_as_utf8():
     assert chunk_keys("modèle-ü", [0], 4)[0].hex() == \
         "c12542db25e9c42644baf33f3612d9233855328a01b9a202c2b23e799a66db1e"
+
+
+def test_chunk_bounds_cover_the_context_in_whole_chunks_and_one_partial_last():
+    assert chunk_bounds(0, 4) == []
+    assert chunk_bounds(8, 4) == [(0, 4), (4, 8)]
+    assert chunk_bounds(9, 4) == [(0, 4), (4, 8), (8, 9)]
+    tokens = list(range(9))
+    assert len(chunk_keys("m", tokens, 4)) == len(chunk_bounds(len(tokens), 4))
+    with pytest.raises(ValueError):
+        chunk_bounds(9, 0)

@@ -51,6 +51,7 @@ from codec import profile as profiles, rope
 
 from .. import client as client_mod
 from ..lab.daemons import DaemonProcess, wait_for
+from ..store.keys import chunk_bounds
 from .gpu import ROPE_THETA, SOURCE_PROFILE, SyntheticKV
 from . import write_json
 
@@ -391,9 +392,10 @@ def one(setup: Setup, tokens: int, root: Path, level: str, chunk_tokens: int, wo
 def _check(kv: RepeatedKV, got: torch.Tensor, tokens: int, ct: int) -> float:
     """Largest relative error of the first, a middle and the last chunk as fetched."""
     worst = 0.0
-    n = -(-tokens // ct)
+    bounds = chunk_bounds(tokens, ct)
+    n = len(bounds)
     for i in sorted({0, n // 2, n - 1}):
-        s, e = i * ct, min((i + 1) * ct, tokens)
+        s, e = bounds[i]
         want = kv.chunk(i, e - s)
         scale = float(want.abs().max())
         for layer in range(want.shape[0]):  # a layer at a time: no float copy of a whole chunk

@@ -39,7 +39,7 @@ from kvstreamd.cluster.directory import Directory, Holders
 from kvstreamd.metrics import Metrics
 from kvstreamd.node.options import FetchOptions
 from kvstreamd.cluster.peers import PeerManager
-from kvstreamd.store.keys import chunk_keys, prefix_keys
+from kvstreamd.store.keys import chunk_bounds, chunk_keys, prefix_keys
 from kvstreamd.cluster.shares import Shares, level_tier, needed_level
 from kvstreamd.store.store import Store
 
@@ -78,7 +78,7 @@ async def plan(store: Store, directory: Directory, model_id: str, tokens: list[i
     fetch's; None: any) is looked for at a peer, and a peer known to hold a chunk only at other
     levels does not count as its holder."""
     keys = chunk_keys(model_id, tokens, chunk_tokens)
-    bounds = [(i * chunk_tokens, min((i + 1) * chunk_tokens, len(tokens))) for i in range(len(keys))]
+    bounds = chunk_bounds(len(tokens), chunk_tokens)
     local = store.longest_prefix(keys, levels)
     held = (await directory.lookup(keys, local)).want(levels)
     peers = held.longest_prefix(local)

@@ -18,7 +18,7 @@ from kvstreamd.metrics import Metrics
 from kvstreamd.node.errors import RequestError
 from kvstreamd.node.pins import Pins
 from kvstreamd.store.chunkfile import ChunkRecord
-from kvstreamd.store.keys import chunk_keys
+from kvstreamd.store.keys import chunk_bounds, chunk_keys
 from kvstreamd.store.store import NO_ROOM, Store, StoreError
 
 log = logging.getLogger("kvstreamd.node")
@@ -133,6 +133,7 @@ class Puts:
         it could not be found without it). kv holds tokens[start:] (start: a chunk boundary)."""
         ct = self.chunk_tokens
         keys = chunk_keys(model_id, tokens, ct)
+        bounds = chunk_bounds(len(tokens), ct)
         dtype = str(kv.dtype).removeprefix("torch.")
         out = _PutOutcome()
         t0 = time.perf_counter()
@@ -146,7 +147,7 @@ class Puts:
                     again = await asyncio.to_thread(self.store.persist, key)
                     out.disk_error = out.disk_error or (again.disk_error if again is not None else None)
                 continue
-            s, e = i * ct, min((i + 1) * ct, len(tokens))
+            s, e = bounds[i]
             payloads = {}
             shape = (kv.shape[0], 2, e - s, *kv.shape[3:])
             with self.coder.staged(shape, kv.dtype) as chunk:  # read once, where the codec workers code it

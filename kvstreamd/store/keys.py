@@ -57,14 +57,19 @@ def prefix_keys(parent: bytes | None, model_id: str, tokens: Sequence[int]) -> l
     return out
 
 
-def chunk_keys(model_id: str, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
-    """Keys of the chunks of a context: chunk i holds tokens[i*chunk_tokens:(i+1)*chunk_tokens].
-    An empty token list gives no keys."""
+def chunk_bounds(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """The token range [start, end) of each chunk of a context of n_tokens: chunk i holds
+    tokens[i*chunk_tokens:(i+1)*chunk_tokens], the last one what is left."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return [(s, min(s + chunk_tokens, n_tokens)) for s in range(0, n_tokens, chunk_tokens)]
+
+
+def chunk_keys(model_id: str, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
+    """Keys of the chunks of a context, one per chunk_bounds(). An empty token list gives no keys."""
     keys: list[bytes] = []
     parent: bytes | None = None
-    for s in range(0, len(tokens), chunk_tokens):
-        parent = chunk_key(parent, model_id, tokens[s:s + chunk_tokens])
+    for s, e in chunk_bounds(len(tokens), chunk_tokens):
+        parent = chunk_key(parent, model_id, tokens[s:e])
         keys.append(parent)
     return keys
