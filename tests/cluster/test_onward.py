@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from conftest import synthetic_kv
+from tests.fixtures import synthetic_kv
 from kvstreamd.client import AsyncClient
 from kvstreamd.store.keys import chunk_keys
 

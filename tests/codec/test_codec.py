@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import codec
 from codec import baselines, bitstream as bs, levels, profile as profiles, rope
 from codec.parallel import CodecPool
-from tests.conftest import SMALL, synthetic_kv
+from tests.fixtures import SMALL, synthetic_kv
 
 OURS = ["high", "balanced", "fast"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

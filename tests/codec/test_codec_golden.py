@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +13,9 @@ import torch
 
 import codec
 from codec import profile as profiles
+from tests import fixtures
 
-DATA = Path(__file__).parent / "data" / "codec-v1"
+DATA = fixtures.DATA / "codec-v1"
 MANIFEST = json.loads((DATA / "manifest.json").read_text())
 MODEL = "SmolLM2-135M-Instruct-Q4_1:bad8a3c4602d479c"
 # The profile these chunks were coded with. SmolLM2 has since been recalibrated: that profile

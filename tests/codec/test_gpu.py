@@ -14,7 +14,7 @@ import torch
 
 import codec
 from codec import bitstream as bs, gpu, rans
-from tests.conftest import synthetic_kv
+from tests.fixtures import synthetic_kv
 
 GPU_OK, GPU_WHY = gpu.available()
 needs_gpu = pytest.mark.skipif(not GPU_OK, reason=f"needs an NVIDIA GPU with CuPy: {GPU_WHY}")

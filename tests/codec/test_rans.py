@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from codec import rans
 from codec.errors import CodecError
+from tests.fixtures import REPO
 
 
 def _models(rng, n_models, max_alphabet=64):
@@ -140,18 +141,18 @@ def test_block_rejects_inconsistent_tables():
 def test_codec_works_without_a_compiler(tmp_path, small_profile):
     """No cc: a warning, then the NumPy reference codes the very bytes the C library does."""
     import codec
-    from tests.conftest import synthetic_kv
+    from tests.fixtures import synthetic_kv
 
     path = small_profile.save(tmp_path / "small.kvprofile")
     code = ("import sys, logging; logging.basicConfig();"
-            "from codec import encode, profile, rans; from tests.conftest import synthetic_kv;"
+            "from codec import encode, profile, rans; from tests.fixtures import synthetic_kv;"
             f"p = profile.Profile.load({str(path)!r}); profile.register(p);"
             "d = encode(synthetic_kv(21, seed=5).half(), 'high', p, start=3);"
             "assert rans.library() is None; sys.stdout.buffer.write(d)")
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path), HOME=str(tmp_path))
     env.pop("CACHE_DIRECTORY", None)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=str(REPO))
     assert res.returncode == 0, res.stderr.decode()
     assert b"NumPy reference" in res.stderr
     assert res.stdout == codec.encode(synthetic_kv(21, seed=5).half(), "high", small_profile, start=3)

@@ -21,7 +21,7 @@ import torch
 
 from kvstreamd.handoff.shm import DTYPES, PREFIX, Attached, Reader, Segment, ShmError, sweep_stale
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")
 # Prefix for segments created by child processes and for sweep tests, so sweep_stale in these tests
 # can only ever see segments this test run made.

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import codec
-from conftest import SMALL, synthetic_kv
+from tests.fixtures import SMALL, synthetic_kv
 from kvstreamd.client import AsyncClient, Client, ClientError
 
 MODEL = "synthetic-test-model"

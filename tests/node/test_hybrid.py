@@ -13,7 +13,7 @@ from codec import bitstream as bs, layout, profile as profiles, rope
 from codec.errors import CodecError
 from codec.layout import Layout, PrefixKV
 
-from conftest import synthetic_kv
+from tests.fixtures import synthetic_kv
 
 LAYERS, HEADS, HEAD_DIM = 4, 2, 8
 WINDOWS = [300, None, 300, None]  # layers 0, 2 slide over 300 tokens; 1, 3 see everything

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import codec
-from conftest import synthetic_kv
+from tests.fixtures import synthetic_kv
 from kvstreamd.client import AsyncClient
 
 MODEL = "synthetic-test-model"

@@ -6,96 +6,17 @@ are scripted peers made from the transport alone (transport.aio with the cluster
 No subprocess, no root."""
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import re
-import struct
-import time
 
 import pytest
 import torch
 
 import codec
-from conftest import synthetic_kv
+from tests.fixtures import (MODEL, SECRET, TEXT, ScriptedPeer, bounds, client, connected, context, decoded,
+                            encoded, events_of, keys_of, sees, serve_chunks, stored, until)
 from kvstreamd.client import AsyncClient
 from transport import aio
-from transport.messages import Advertise, Chunk, Text
-
-MODEL = "synthetic-test-model"
-CHUNK = 256  # the inprocess fixture's chunk_tokens
-SECRET = b"cluster-test-secret"  # kvstreamd.lab.daemons.DaemonProcess's [peer] secret
-TEXT = "text"
-
-
-# -- helpers -----------------------------------------------------------------------------------
-
-def client(d) -> AsyncClient:
-    return AsyncClient(d.cfg.api.socket, timeout=60)
-
-
-def context(n: int, seed: int = 0, first: int = 1000) -> tuple[list[int], torch.Tensor]:
-    """n distinct token ids and fp16 KV for them."""
-    return list(range(first, first + n)), synthetic_kv(n, seed=seed).half()
-
-
-def keys_of(tokens: list[int], model_id: str = MODEL, chunk: int = CHUNK) -> list[bytes]:
-    """Chunk keys as README and the protocol define them: blake2b-256 chained over the parent
-    key, len(model id), model id and the chunk's token ids (u32 little-endian)."""
-    keys, parent = [], b""
-    m = model_id.encode()
-    for s in range(0, len(tokens), chunk):
-        h = hashlib.blake2b(parent, digest_size=32)
-        h.update(struct.pack("<I", len(m)) + m + struct.pack(f"<{len(tokens[s:s + chunk])}I", *tokens[s:s + chunk]))
-        parent = h.digest()
-        keys.append(parent)
-    return keys
-
-
-def bounds(n: int) -> list[tuple[int, int]]:
-    return [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
-
-
-def encoded(kv: torch.Tensor, prof, level: str = "balanced") -> list[bytes]:
-    """Each chunk of kv encoded at level, as a daemon stores it."""
-    return [codec.encode(kv[:, :, s:e].contiguous(), level, prof, start=s) for s, e in bounds(kv.shape[2])]
-
-
-def decoded(kv: torch.Tensor, prof, level: str, s: int, e: int) -> torch.Tensor:
-    """What chunk [s, e) of kv decodes to at level: the same pure codec the daemon's pool runs."""
-    return codec.decode(codec.encode(kv[:, :, s:e].contiguous(), level, prof, start=s))
-
-
-async def until(what: str, check, timeout: float = 10.0):
-    t0 = time.monotonic()
-    while not (got := await check()):
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(what)
-        await asyncio.sleep(0.05)
-    return got
-
-
-async def connected(*daemons) -> None:
-    """Until every daemon reports (GET /v1/status) a connection to every other one."""
-    want = {d.node_id for d in daemons}
-
-    async def all_connected():
-        for d in daemons:
-            async with client(d) as c:
-                if set((await c.status())["peers_connected"]) < want - {d.node_id}:
-                    return False
-        return True
-
-    await until("peers did not connect", all_connected)
-
-
-async def sees(d, peer: str, tokens: list[int], n: int) -> None:
-    """Until d's lookup of tokens finds n tokens at peer."""
-    async def check():
-        async with client(d) as c:
-            return (await c.lookup(MODEL, tokens))["peers"].get(peer) == n
-
-    await until(f"{d.node_id} never saw {n} tokens at {peer}", check)
-
+from transport.messages import Chunk, Text
 
 async def _found(c: AsyncClient, tokens: list[int], n: int) -> bool:
     return (await c.lookup(MODEL, tokens))["found_tokens"] == n
@@ -104,48 +25,6 @@ async def _found(c: AsyncClient, tokens: list[int], n: int) -> bool:
 async def _idle(c: AsyncClient) -> bool:
     st = await c.status()
     return st["fetches_active"] == 0 and st["buffers_held"] == 0
-
-
-async def events_of(f) -> list:
-    return [ev async for ev in f]
-
-
-class ScriptedPeer:
-    """A peer made from the transport alone: it authenticates to a daemon with the cluster
-    secret, advertises chunk keys, and answers the daemon's FETCHes with `script(stream, fetch)`."""
-
-    def __init__(self, node_id: str, script) -> None:
-        self.node_id, self.script = node_id, script
-        self.conn: aio.PeerConnection | None = None
-        self.fetches: list = []
-
-    async def _handle(self, stream, fetch) -> None:
-        self.fetches.append(fetch)
-        await self.script(stream, fetch)
-
-    async def join(self, d, keys: list[bytes]) -> "ScriptedPeer":
-        async with client(d) as c:
-            port = (await c.status())["peer_port"]
-        self.conn = await aio.connect("127.0.0.1", port, self.node_id, SECRET, handler=self._handle)
-        await self.conn.send(Advertise(keys))
-        return self
-
-
-def serve_chunks(payloads: list[bytes], level: str = "balanced", after: int | None = None, then=None):
-    """A script that sends payloads[i] for each chunk asked, waiting for each ACK; with `after`,
-    it stops after that many chunks and runs `then(stream)` instead (default: hang)."""
-    async def script(stream, fetch) -> None:
-        for i in range(len(fetch.keys)):
-            if after is not None and i == after:
-                if then is not None:
-                    await then(stream)
-                else:
-                    await asyncio.Event().wait()  # until the connection goes
-                return
-            await stream.send_chunk(i, level, payloads[i])
-            await stream.acks.get()
-        await stream.end()
-    return script
 
 
 # -- the plan: where each chunk comes from ---------------------------------------------------------
@@ -525,11 +404,6 @@ async def raw_peer(d, node_id: str = "probe") -> aio.PeerConnection:
     async with client(d) as c:
         port = (await c.status())["peer_port"]
     return await aio.connect("127.0.0.1", port, node_id, SECRET)
-
-
-async def stored(d, tokens, kv) -> list[bytes]:
-    async with client(d) as c:
-        return [bytes.fromhex(k) for k in (await c.put(MODEL, tokens, kv))["keys"]]
 
 
 async def test_a_node_serves_a_fetch_of_keys_it_holds_with_chunks_at_offered_levels_then_end(inprocess, small_profile):

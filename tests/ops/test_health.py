@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import synthetic_kv
+from tests.fixtures import synthetic_kv
 from kvstreamd.ops import health
 from kvstreamd.client import AsyncClient
 

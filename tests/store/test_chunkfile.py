@@ -6,7 +6,6 @@ import io
 import shutil
 import struct
 import zlib
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -15,8 +14,9 @@ from kvstreamd.store import chunkfile
 from kvstreamd.store.chunkfile import ChunkFileError, ChunkRecord
 from kvstreamd.store.keys import chunk_keys
 from kvstreamd.store.store import Store
+from tests import fixtures
 
-DATA = Path(__file__).parent / "data"
+DATA = fixtures.DATA
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
 

@@ -8,9 +8,9 @@ import pytest
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.store.pins import PinRefused
 from kvstreamd.store.store import Store
-from test_store import KIB, Events, chunk_file, make_context, open_store
+from tests.fixtures import KIB, Events, chunk_file, make_context, open_store
 
-from conftest import synthetic_kv
+from tests.fixtures import synthetic_kv
 
 
 def keys(recs) -> list[bytes]:

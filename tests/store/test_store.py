@@ -17,58 +17,8 @@ import pytest
 from kvstreamd.store.chunkfile import ChunkRecord
 from kvstreamd.store.keys import chunk_key, chunk_keys
 from kvstreamd.store.store import ContextInfo, Store, StoreError
+from tests.fixtures import KIB, Events, chunk_file, make_context, open_store
 
-KIB = 1024
-LEVELS = ("high", "balanced", "fast")
-
-
-def make_context(model="model-a", n_chunks=3, chunk_tokens=4, seed=0, payload=KIB, tokens=None) -> list[ChunkRecord]:
-    """A context of n_chunks chunks, each with three levels of `payload` bytes in all."""
-    rng = random.Random(seed)
-    if tokens is None:
-        tokens = [rng.randrange(50000) for _ in range(n_chunks * chunk_tokens)]
-    keys = chunk_keys(model, tokens, chunk_tokens)
-    recs = []
-    for i, key in enumerate(keys):
-        toks = tuple(tokens[i * chunk_tokens:(i + 1) * chunk_tokens])
-        sizes = [payload // 2, payload // 4, payload - payload // 2 - payload // 4]
-        recs.append(ChunkRecord(key=key, parent=keys[i - 1] if i else None, index=i, start=i * chunk_tokens,
-                                model_id=model, tokens=toks, dtype="float16", shape=(2, 2, len(toks), 2, 8),
-                                levels={lv: rng.randbytes(n) for lv, n in zip(LEVELS, sizes)}))
-    return recs
-
-
-class Events:
-    """on_add / on_remove recorder."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.added: list[bytes] = []
-        self.removed: list[bytes] = []
-        self.held: set[bytes] = set()
-
-    def on_add(self, keys):
-        with self.lock:
-            assert not self.held & set(keys), "on_add for a key already held"
-            self.added += keys
-            self.held |= set(keys)
-
-    def on_remove(self, keys):
-        with self.lock:
-            assert set(keys) <= self.held, "on_remove for a key not held"
-            self.removed += keys
-            self.held -= set(keys)
-
-
-def open_store(dir, mem=10 * 2**20, disk=10 * 2**20, events: Events | None = None, verify=False):
-    s = Store(dir, mem, disk, on_add=events.on_add if events else None,
-              on_remove=events.on_remove if events else None)
-    report = s.open(verify=verify)
-    return s, report
-
-
-def chunk_file(dir: Path, key: bytes) -> Path:
-    return dir / "chunks" / key.hex()[:2] / f"{key.hex()}.kvc"
 
 
 def chunk_files(dir: Path) -> list[Path]:

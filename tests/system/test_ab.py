@@ -25,7 +25,7 @@ from kvstreamd.ops.outcomes import FetchOutcomes, Outcome, read_file
 from transport import aio, messages
 from transport.messages import BAD_MESSAGE, Fetch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "synthetic-test-model"  # the inprocess fixture's profile
 SECRET = b"cluster-test-secret"  # kvstreamd.lab.daemons.DaemonProcess's [peer] secret
 FETCHES = 2000
@@ -255,7 +255,7 @@ def test_a_fetch_rule_crosses_the_wire_and_a_non_string_one_is_a_bad_message():
 
 
 async def _holder_with_a_context(inprocess, tokens: int = 768):
-    from conftest import synthetic_kv
+    from tests.fixtures import synthetic_kv
     (a,) = await inprocess(["a"])
     toks = list(range(5000, 5000 + tokens))
     async with AsyncClient(a.cfg.api.socket, timeout=60) as c:
@@ -303,7 +303,7 @@ def _count(metrics: str, name: str, arm: str) -> float:
 
 
 async def test_a_daemon_pair_runs_both_arms_and_the_candidate_ladder_reaches_the_sender(inprocess, caplog):
-    from conftest import synthetic_kv
+    from tests.fixtures import synthetic_kv
     exp = {"fraction": 0.5, "rule": "cachegen", "levels": ["fast"]}
     a, b = await inprocess(["a", "b"], per_node={"b": {"policy": {"experiment": exp}}})
     arm_of = b.cfg.policy.experiment.arm

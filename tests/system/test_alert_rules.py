@@ -16,11 +16,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import synthetic_kv
+from tests.fixtures import synthetic_kv
 from kvstreamd.ops import health
 from kvstreamd.client import AsyncClient, ClientError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy/prometheus/kvstreamd.rules.yml"
 RULE_TESTS = ROOT / "deploy/prometheus/kvstreamd.rules.test.yml"
 DASHBOARD = ROOT / "deploy/grafana/kvstreamd.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--layers", "2", "--heads", "2", "--head-dim", "32", "--tokens", "96",
         "--chunk-tokens", "32", "--reps", "2", "--workers", "1", "--quiet"]
 # What the GPU machine lacks: the module must run without them.

@@ -17,34 +17,16 @@ import psutil
 import pytest
 import torch
 
-import codec
-from codec import gpu, profile as profiles
-from kvstreamd import models
-from kvstreamd.lab import corpus
+from codec import gpu
 from kvstreamd.client import AsyncClient, ClientError, _UnixHTTPConnection
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
-
-CHUNK = 256
-
-
-def real_context(lm, char_offset: int, n_tokens: int):
-    """(model id, the first n_tokens of test.txt from char_offset on, their fp16 KV)."""
-    text = (corpus.wikitext_dir() / "test.txt").read_text()[char_offset:char_offset + 20 * n_tokens]
-    tokens = lm.tokenizer.encode(text)[:n_tokens]
-    _, kv = models.prefill(lm, tokens, all_logits=False)
-    return lm.model_id, tokens, kv.half()
+from tests.fixtures import CHUNK, expected_chunk, real_context
 
 
 @pytest.fixture(scope="module")
 def context(lm):
     """A real 600-token WikiText-2 context (3 chunks of 256, 256, 88) and its fp16 KV."""
     return real_context(lm, 20_000, 600)
-
-
-def expected_chunk(kv: torch.Tensor, i: int, level: str, model_id: str) -> torch.Tensor:
-    """What chunk i decodes to at `level`: the same pure codec the daemon's pool runs."""
-    s, e = i * CHUNK, min((i + 1) * CHUNK, kv.shape[2])
-    return codec.decode(codec.encode(kv[:, :, s:e].contiguous(), level, profiles.for_model(model_id), start=s))
 
 
 def check_fetched(f, kv, model_id) -> None:
@@ -337,7 +319,7 @@ def test_default_configuration_starts_with_no_edits(tmp_path):
     """`kvstreamd run` with no config file at all (fresh machine): it starts, serves, stops on SIGTERM."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state"),
            "KVSTREAMD_CONFIG": ""}
-    repo_cfg = Path(__file__).parents[1] / "config.toml"
+    repo_cfg = Path(__file__).parents[2] / "config.toml"
     port = None
     from kvstreamd.lab.daemons import free_port
     port = free_port()

@@ -10,7 +10,7 @@ import torch
 from kvstreamd.lab import netns
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
 
-from test_daemon import CHUNK, expected_chunk, real_context
+from tests.fixtures import CHUNK, expected_chunk, real_context
 
 ok, why = netns.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")

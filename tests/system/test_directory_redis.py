@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from conftest import synthetic_kv
+from tests.fixtures import synthetic_kv
 from kvstreamd.client import AsyncClient
 from kvstreamd.lab import redisserver
 from kvstreamd.lab.daemons import seconds_until
@@ -188,7 +188,7 @@ def _fetch_sources(d, tokens) -> list[tuple[str, str]]:
 
 def test_sixteen_daemons_on_one_redis_find_each_other_connect_only_to_fetch_and_ride_out_a_redis_restart(
         tmp_path, small_profile, server):
-    from conftest import synthetic_daemon
+    from tests.fixtures import synthetic_daemon
 
     cfg = {"directory": {"backend": "redis", "url": server.url, "prefix": PREFIX, "lease_s": LEASE_S, "idle_s": 60.0}}
     nodes = [synthetic_daemon(tmp_path, f"n{i:02d}", small_profile, **cfg) for i in range(16)]

@@ -17,7 +17,7 @@ import torch
 
 import codec
 from codec import profile as profiles
-from conftest import synthetic_daemon, synthetic_kv
+from tests.fixtures import synthetic_daemon, synthetic_kv
 from kvstreamd.ops import doctor
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.coder import PRIOR_MBPS_PER_WORKER

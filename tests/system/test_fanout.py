@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from conftest import synthetic_daemon, synthetic_kv
+from tests.fixtures import synthetic_daemon, synthetic_kv
 from kvstreamd.lab import netns
 from kvstreamd.lab.daemons import wait_for
 

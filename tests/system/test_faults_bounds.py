@@ -20,12 +20,12 @@ import torch
 
 import codec
 from codec import baselines
-from conftest import SMALL, synthetic_daemon
+from tests.fixtures import SMALL, synthetic_daemon
 from kvstreamd.cluster.admission import Refused, Wanted, admit
 from kvstreamd.client import AsyncClient
 from kvstreamd.store.keys import KEY_BYTES
 from kvstreamd.lab.daemons import DaemonProcess
-from test_node_fetch import (MODEL, SECRET, TEXT, ScriptedPeer, bounds, client, connected, context, decoded,
+from tests.fixtures import (MODEL, SECRET, TEXT, ScriptedPeer, bounds, client, connected, context, decoded,
                              encoded, events_of, keys_of, sees, serve_chunks, stored, until)
 from transport import aio
 from transport.messages import KEY_BYTES as WIRE_KEY_BYTES, Advertise

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from conftest import SMALL, synthetic_daemon, synthetic_kv
+from tests.fixtures import SMALL, synthetic_daemon, synthetic_kv
 from kvstreamd.client import AsyncClient, Client, ClientError
 from kvstreamd.lab.daemons import wait_for
 from kvstreamd.handoff.shm import Segment

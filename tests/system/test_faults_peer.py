@@ -15,7 +15,7 @@ from kvstreamd.client import AsyncClient
 from kvstreamd.cluster.directory import PeerDirectory
 from kvstreamd.lab.daemons import DaemonProcess
 from kvstreamd.node.fetch import grace_s
-from test_node_fetch import (MODEL, SECRET, ScriptedPeer, client, connected, context, encoded, events_of,
+from tests.fixtures import (MODEL, SECRET, ScriptedPeer, client, connected, context, encoded, events_of,
                              keys_of, sees, serve_chunks, until)
 from transport.messages import Fetch
 from transport.protocol import Connection, State

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import codec
-from conftest import synthetic_daemon, synthetic_kv
+from tests.fixtures import synthetic_daemon, synthetic_kv
 from kvstreamd import config as config_mod
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.node.daemon import Daemon

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import synthetic_daemon
+from tests.fixtures import synthetic_daemon
 
 TEXT = ("The committee reviewed the annual report and the contract terms in detail. " * 40
         + "Revenue grew while costs held steady; the auditors found no material weakness. " * 40)

@@ -11,11 +11,10 @@ import asyncio
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import synthetic_daemon, synthetic_kv
+from tests.fixtures import DATA, synthetic_daemon, synthetic_kv
 from kvstreamd.client import AsyncClient
 from kvstreamd.store.keys import chunk_keys
 from kvstreamd.config import ConfigError, load
@@ -26,7 +25,7 @@ from kvstreamd.cluster.prefetch import CoAccess, Context
 MODEL = "synthetic-test-model"
 LEVEL = "fp16"  # one level, sized exactly: the store budgets below count whole documents
 CHUNK_BYTES = 2 * 3 * 2 * 256 * 2 * 8  # fp16 KV of one 256-token chunk of the synthetic shape
-PATTERN = Path(__file__).parent / "data" / "prefetch_visits.jsonl"
+PATTERN = DATA / "prefetch_visits.jsonl"
 
 
 def ctx(name: int, chunks: int = 1) -> Context:

@@ -15,7 +15,7 @@ from kvstreamd.lab import corpus
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
 from kvstreamd.ops.preload_child import child_env
 
-from conftest import synthetic_daemon, synthetic_kv
+from tests.fixtures import synthetic_daemon, synthetic_kv
 
 DOCS = 5
 DOC_CHARS = 1150  # ~270-330 tokens: two 256-token chunks each, and a short prefill

@@ -14,7 +14,7 @@ import pytest
 
 from kvstreamd.ops import sdnotify
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "systemd" / "kvstreamd.service"
 DROPIN = REPO / "systemd" / "kvstreamd.conf.d-example.conf"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")

@@ -314,7 +314,7 @@ def tls_section(cert) -> dict:
 
 
 async def test_two_daemons_fetch_over_tls_and_say_so_at_start_up(inprocess, pki, caplog):
-    from test_node_fetch import MODEL, client, context, events_of, sees
+    from tests.fixtures import MODEL, client, context, events_of, sees
 
     caplog.set_level(logging.INFO)
     (a,) = await inprocess(["a"], peer=tls_section(pki["a"]))
