@@ -48,14 +48,27 @@ def lm():
     return models.load()
 
 
+@pytest.fixture(scope="session")
+def codec_pool():
+    """One codec pool of one worker for every in-process daemon of the session (Daemon's
+    codec_pool): its worker imports torch once, not once a test; each daemon teaches it its
+    profile (CodecPool.add_profile) and leaves it running when it stops."""
+    from codec.parallel import CodecPool
+
+    pool = CodecPool(1)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-async def inprocess(tmp_path, small_profile):
+async def inprocess(tmp_path, small_profile, codec_pool):
     """Daemons in this test's event loop (no subprocess, no root): `await inprocess(["a", "b"],
     codec={...})` starts one per name, each with its own store, API socket and peer port on
     loopback, peered with the others (not with `peered=False`: a Redis directory finds them),
     with `per_node={name: {section: {...}}}` config of its own,
-    coding with the small synthetic profile (or the one given as `profile=`). All are stopped
-    at the end."""
+    coding with the small synthetic profile (or the one given as `profile=`) on the session's
+    codec pool, or with `own_pool=True` (or other than one codec worker) on a pool of their own,
+    for tests that kill or count the workers. All are stopped at the end."""
     from kvstreamd import config as config_mod
     from kvstreamd.node.daemon import Daemon
     from kvstreamd.lab.daemons import DaemonProcess
@@ -65,7 +78,7 @@ async def inprocess(tmp_path, small_profile):
     started: list[Daemon] = []
 
     async def start(names: list[str], profile: profiles.Profile | None = None, peered: bool = True,
-                    per_node: dict[str, dict] | None = None, **extra: dict) -> list[Daemon]:
+                    per_node: dict[str, dict] | None = None, own_pool: bool = False, **extra: dict) -> list[Daemon]:
         path = profile_path
         if profile is not None:
             path = tmp_path / f"{profile.id.hex()}.kvprofile"
@@ -78,7 +91,9 @@ async def inprocess(tmp_path, small_profile):
             n.peers = [m.addr for m in nodes if m is not n] if peered else []
             n.root.mkdir(parents=True, exist_ok=True)
             n.config_path.write_text(n.config_text())
-            d = Daemon(config_mod.load(n.config_path))
+            cfg = config_mod.load(n.config_path)
+            shared = not own_pool and cfg.workers() == codec_pool.workers
+            d = Daemon(cfg, codec_pool=codec_pool if shared else None)
             await d.start()
             started.append(d)
             daemons.append(d)
