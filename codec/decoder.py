@@ -112,7 +112,7 @@ class Decoder:
     lanes: a gpu.LaneDecoder on the same device, to entropy-decode a batch's lanes all at once
     rather than stream by stream: what a GPU decoder does (codec.gpu.device_decoder makes
     one). On the CPU the C library stands in for the kernel, so that path is exercised without
-    a GPU (tests/test_gpu.py).
+    a GPU (tests/codec/test_gpu.py).
     """
 
     def __init__(self, profile: Profile, device: str | torch.device = "cpu", lanes=None):

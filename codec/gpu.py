@@ -9,7 +9,7 @@ transforms that follow are codec/decoder.py's, the same on every device.
 
 LaneDecoder on device "cpu" runs the same batching with the C library standing in for the
 kernel, so everything here but the kernel launch is exercised on machines without a GPU
-(tests/test_gpu.py); the kernel itself is checked on a GPU by scripts/gpu_check.sh.
+(tests/codec/test_gpu.py); the kernel itself is checked on a GPU by scripts/gpu_check.sh.
 """
 from __future__ import annotations
 

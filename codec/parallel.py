@@ -91,6 +91,15 @@ def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     torch.set_num_threads(1)
     known = [profiles.register(Profile.load(p)) for p in profile_paths] + profiles.shipped()
+    _warm(index, workers, known, warm_levels)
+
+
+def _learn_profile(index: int, workers: int, path: str, warm_levels: tuple[str, ...]) -> None:
+    """A profile file registered in a running worker, and warmed as at its start (add_profile)."""
+    _warm(index, workers, [profiles.register(Profile.load(path))], warm_levels)
+
+
+def _warm(index: int, workers: int, known: list[Profile], warm_levels: tuple[str, ...]) -> None:
     # Worker `index` gets run `index` of every chunk's streams: it builds the decoders' tables
     # of those up front rather than stalling the first chunks that reach it, and no others
     # (a Llama-3-8B-shaped stream's tables are ~11 MB; every worker holding all of them cost
@@ -182,6 +191,8 @@ class CodecPool:
                  warm_levels: tuple[str, ...] = levels.LADDER):
         self.workers = workers or os.cpu_count() or 1
         self._initargs = (tuple(map(str, profile_paths)), tuple(warm_levels))
+        self._profile_ids = {Profile.load(p).id for p in self._initargs[0]}  # what the workers know (add_profile)
+        self._learning = threading.Lock()
         self._arena = Arena()
         self._staged: dict[int, tuple[str, int]] = {}  # data_ptr of a staged() tensor -> its segment, size
         self._lock = threading.Lock()  # held while the workers are replaced
@@ -317,6 +328,23 @@ class CodecPool:
                 cf.wait(futures)  # the others still write into the job's segments
                 raise
         raise AssertionError("unreachable")
+
+    def add_profile(self, path, warm_levels: tuple[str, ...] | None = None) -> None:
+        """Teach every worker the profile in the file `path`, as if the pool had been started with
+        it: registered, and its tables warmed at warm_levels (default: the pool's), now and in any
+        workers started later (a replacement loads it at start). A profile the workers know
+        already (the same content, from any file) costs nothing: so one pool can serve several
+        coders that each name their profile, and learn profiles after it started."""
+        prof = Profile.load(path)
+        with self._learning:  # one at a time: a profile is learnt once
+            if prof.id in self._profile_ids:
+                return
+            with self._lock:  # not while workers are replaced: they start with the paths as they are
+                paths, warm = self._initargs
+                self._initargs = (paths + (str(path),), warm)
+            warm = tuple(warm if warm_levels is None else warm_levels)
+            self._run([(k, _learn_profile, k, self.workers, str(path), warm) for k in range(self.workers)])
+            self._profile_ids.add(prof.id)
 
     def streams_with_tables(self, profile: Profile) -> list[list[int]]:
         """Per worker, the streams of `profile` it has built entropy models for."""

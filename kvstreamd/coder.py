@@ -66,13 +66,21 @@ class _Shares:
 
 class Coder:
     def __init__(self, workers: int, profile_path: Path | None = None,
-                 warm_levels: tuple[str, ...] = codec_levels.LADDER) -> None:
-        self.workers = workers
+                 warm_levels: tuple[str, ...] = codec_levels.LADDER, pool: CodecPool | None = None) -> None:
+        """pool: a running CodecPool to code with instead of starting one of `workers` workers
+        (it is taught profile_path, and left running by close(): its owner closes it); several
+        coders may share one, as the tests' in-process daemons do."""
         self.profile: Profile | None = None
         if profile_path is not None:
             self.profile = profiles.register(Profile.load(profile_path))
         warm = tuple(lv for lv in warm_levels if lv in codec_levels.LEVELS)
-        self.pool = CodecPool(workers, (str(profile_path),) if profile_path else (), warm_levels=warm)
+        self._owns_pool = pool is None
+        if pool is None:
+            pool = CodecPool(workers, (str(profile_path),) if profile_path else (), warm_levels=warm)
+        elif profile_path is not None:
+            pool.add_profile(profile_path, warm)
+        self.pool = pool
+        self.workers = workers = pool.workers
         self._lock = threading.Lock()
         self._mbps = PRIOR_MBPS_PER_WORKER * workers * 0.8  # processes share more than cores
         self._samples = 0
@@ -159,4 +167,5 @@ class Coder:
         self.observe(out.numel() * 2 / 1e6, share[0])
 
     def close(self) -> None:
-        self.pool.close()
+        if self._owns_pool:
+            self.pool.close()

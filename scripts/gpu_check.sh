@@ -74,8 +74,8 @@ ok, why = gpu.available()
 print("codec.gpu.available():", ok, why)
 sys.exit(0 if ok else 1)
 EOF
-step "pytest tests/test_rans.py tests/test_gpu.py" 120 \
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_rans.py tests/test_gpu.py
+step "pytest tests/codec/test_rans.py tests/codec/test_gpu.py" 120 \
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/codec/test_rans.py tests/codec/test_gpu.py
 # --device cuda: on a machine where the GPU path is unusable this fails at once, with the
 # reason, instead of benchmarking the CPU stand-in.
 step "benchmark -> $OUT/gpu_bench.json" 200 \

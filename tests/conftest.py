@@ -3,43 +3,26 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from codec import profile as profiles
+from tests.fixtures import SMALL, synthetic_kv
 
-SMALL = dict(layers=3, heads=2, head_dim=8)
-
-# What makes a test a `system` test (pyproject.toml's markers): a fixture that starts a daemon in
-# the test's loop (its codec pool spawns a worker that imports torch) or loads the real model, or
-# a file whose tests start daemon processes, network namespaces or real servers.
+# What makes a test a `system` test (pyproject.toml's markers): living in tests/system/ (daemon
+# processes, network namespaces, the real model, real servers, root), or a fixture that starts a
+# daemon in the test's loop (its codec pool spawns a worker that imports torch) or loads the real model.
+SYSTEM_DIR = Path(__file__).resolve().parent / "system"
 SYSTEM_FIXTURES = {"lm", "inprocess"}
-SYSTEM_FILES = {
-    "test_ab.py", "test_alert_rules.py", "test_bench_directory.py", "test_bench_gpu.py", "test_bench_scale.py",
-    "test_codec_model.py", "test_corpus.py", "test_daemon.py", "test_daemon_netns.py", "test_directory_redis.py",
-    "test_doctor.py", "test_e2e.py", "test_fanout.py", "test_faults_bounds.py", "test_faults_client.py",
-    "test_faults_peer.py", "test_faults_resources.py", "test_gemma.py", "test_metrics_listen.py",
-    "test_model_folder.py", "test_models.py", "test_netns.py", "test_prefetch.py", "test_preload.py",
-    "test_stream_bench.py", "test_systemd.py", "test_tls.py", "test_window.py",
-}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SYSTEM_FILES or SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if SYSTEM_DIR in item.path.parents or SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.system)
-
-
-def synthetic_kv(tokens: int, seed: int = 0, layers=SMALL["layers"], heads=SMALL["heads"],
-                 head_dim=SMALL["head_dim"]) -> torch.Tensor:
-    """KV-like data: channels of very different scales, keys with a per-channel offset."""
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.logspace(-1.5, 0.7, heads * head_dim).view(heads, head_dim)
-    kv = torch.randn(layers, 2, tokens, heads, head_dim, generator=g) * scale
-    kv[:, 0] += torch.linspace(-2, 2, heads * head_dim).view(heads, head_dim)
-    return kv
 
 
 @pytest.fixture(scope="session")
@@ -65,26 +48,27 @@ def lm():
     return models.load()
 
 
-def synthetic_daemon(root, name: str, profile: profiles.Profile, codec: dict | None = None, **extra: dict):
-    """A real daemon process (kvstreamd.lab.daemons.DaemonProcess, not started) under root/name,
-    coding with `profile` (the small synthetic one), 256-token chunks and one codec worker
-    unless `codec` says otherwise; `extra` adds config sections."""
-    from kvstreamd.lab.daemons import DaemonProcess
+@pytest.fixture(scope="session")
+def codec_pool():
+    """One codec pool of one worker for every in-process daemon of the session (Daemon's
+    codec_pool): its worker imports torch once, not once a test; each daemon teaches it its
+    profile (CodecPool.add_profile) and leaves it running when it stops."""
+    from codec.parallel import CodecPool
 
-    path = root / f"{name}.kvprofile"
-    profile.save(path)
-    codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(path), **(codec or {})}
-    return DaemonProcess(name, root / name, extra={"codec": codec_cfg, **extra})
+    pool = CodecPool(1)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture
-async def inprocess(tmp_path, small_profile):
+async def inprocess(tmp_path, small_profile, codec_pool):
     """Daemons in this test's event loop (no subprocess, no root): `await inprocess(["a", "b"],
     codec={...})` starts one per name, each with its own store, API socket and peer port on
     loopback, peered with the others (not with `peered=False`: a Redis directory finds them),
     with `per_node={name: {section: {...}}}` config of its own,
-    coding with the small synthetic profile (or the one given as `profile=`). All are stopped
-    at the end."""
+    coding with the small synthetic profile (or the one given as `profile=`) on the session's
+    codec pool, or with `own_pool=True` (or other than one codec worker) on a pool of their own,
+    for tests that kill or count the workers. All are stopped at the end."""
     from kvstreamd import config as config_mod
     from kvstreamd.node.daemon import Daemon
     from kvstreamd.lab.daemons import DaemonProcess
@@ -94,7 +78,7 @@ async def inprocess(tmp_path, small_profile):
     started: list[Daemon] = []
 
     async def start(names: list[str], profile: profiles.Profile | None = None, peered: bool = True,
-                    per_node: dict[str, dict] | None = None, **extra: dict) -> list[Daemon]:
+                    per_node: dict[str, dict] | None = None, own_pool: bool = False, **extra: dict) -> list[Daemon]:
         path = profile_path
         if profile is not None:
             path = tmp_path / f"{profile.id.hex()}.kvprofile"
@@ -107,7 +91,9 @@ async def inprocess(tmp_path, small_profile):
             n.peers = [m.addr for m in nodes if m is not n] if peered else []
             n.root.mkdir(parents=True, exist_ok=True)
             n.config_path.write_text(n.config_text())
-            d = Daemon(config_mod.load(n.config_path))
+            cfg = config_mod.load(n.config_path)
+            shared = not own_pool and cfg.workers() == codec_pool.workers
+            d = Daemon(cfg, codec_pool=codec_pool if shared else None)
             await d.start()
             started.append(d)
             daemons.append(d)

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 from kvstreamd import config
 from kvstreamd.config import ConfigError, load, parse_hostport, parse_size
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """When a chunk's bytes crossed the link, from its write and ACK times alone: the sender's
 delivery clock, pure (time is an argument, as in aioquic's recovery), so send.py's loop only
-feeds it and its rules are tested without a socket (tests/test_delivery.py)."""
+feeds it and its rules are tested without a socket (tests/transport/test_delivery.py)."""
 from __future__ import annotations
 
 from collections import deque

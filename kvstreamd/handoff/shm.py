@@ -12,7 +12,7 @@ The file is long (~530 lines) because each of the four traps below is a way the 
 model process dies, and the code that avoids each sits next to the explanation of why.
 
 Four traps this module exists to avoid (all measured on CPython 3.11 / torch 2.13, see
-``tests/test_shm.py``):
+``tests/handoff/test_shm.py``):
 
 1. ``multiprocessing.shared_memory.SharedMemory(name)`` registers the segment with the attaching
    process's ``resource_tracker``, which *unlinks it when that process exits* (``track=False`` only

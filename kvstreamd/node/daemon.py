@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from codec.parallel import CodecPool
 from codec.segments import SEG_PREFIX as CODEC_SEG_PREFIX
 
 from kvstreamd import __version__, config as config_mod
@@ -94,8 +95,11 @@ def advertised_address(cfg: Config, port: int) -> str:
 
 
 class Daemon:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, codec_pool: CodecPool | None = None) -> None:
+        """codec_pool: a running pool to code with (Coder's `pool`: not closed at stop) rather than
+        one of its own; the tests' in-process daemons share one."""
         self.cfg = cfg
+        self._codec_pool = codec_pool
         self.node_id = cfg.node.id
         self.metrics = Metrics()
         self.directory = make_directory(cfg, self.metrics)
@@ -132,7 +136,8 @@ class Daemon:
         for path, why in report.corrupt:
             log.warning("store: skipped corrupt file %s: %s", path, why)
             self.metrics.error("store_corrupt")
-        self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, cfg.codec.levels)
+        self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, cfg.codec.levels,
+                                               self._codec_pool)
         log.info("fetched chunks decode on %s", f"{gpu} (CUDA streams, IPC hand-off)" if gpu else f"the CPU ({gpu_why})")
         if secret is None:
             log.warning("no [peer] secret configured: using a random one, so no peer can join this node")

@@ -9,7 +9,7 @@ key chains chunk i-1's, so equal keys mean equal prefixes and nothing ever compa
 
 key_{-1} is empty (b""), m is the model id encoded as UTF-8, u32le is a 4-byte little-endian
 unsigned integer and t_0, t_1, ... are chunk i's token ids, each in [0, 2**32). The hash input
-carries no chunk length: the token bytes run to its end. tests/test_keys.py pins known values.
+carries no chunk length: the token bytes run to its end. tests/store/test_keys.py pins known values.
 """
 from __future__ import annotations
 

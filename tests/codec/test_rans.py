@@ -1,0 +1,172 @@
+"""Lane rANS: the C build of lane_rans.h (the CPU path; the GPU kernel compiles the same
+header) against the NumPy lane-vectorised reference, on random models and lanes."""
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from codec import rans
+from codec.errors import CodecError
+from tests.fixtures import REPO
+
+
+def _models(rng, n_models, max_alphabet=64):
+    """Laplace-like models of random widths, with the escape last, like the profile's."""
+    halves = rng.integers(1, max_alphabet // 2, n_models)
+    dists = []
+    for m in halves:
+        u = np.arange(-m, m + 1)
+        p = np.exp(-np.abs(u) / rng.uniform(0.3, 4.0))
+        dists.append(np.append(p, rng.uniform(1e-7, 1e-3)))
+    return rans.RansModels.build(dists, halves)
+
+
+def _symbols(rng, models, comps, rows):
+    """Indices drawn from each component's own quantized model: [C, rows] int32."""
+    out = np.zeros((len(models), rows), np.int32)
+    for c in comps:
+        cum = models.cum[models.cum_off[c]:models.cum_off[c] + models.alphabet[c] + 1]
+        out[c] = np.searchsorted(cum, rng.integers(0, rans.TOTAL, rows), side="right") - 1
+    return out
+
+
+def _case(seed, n_comp=24, rows=37, per_lane=5, max_alphabet=64):
+    rng = np.random.default_rng(seed)
+    models = _models(rng, n_comp, max_alphabet)
+    comps = np.sort(rng.choice(n_comp, size=max(1, n_comp * 2 // 3), replace=False))
+    sym = _symbols(rng, models, comps, rows)
+    return models, sym, rans.block_lanes(comps, rows, per_lane)
+
+
+def test_quantized_models_are_exact_and_keep_every_symbol():
+    rng = np.random.default_rng(0)
+    for a in (2, 3, 17, 256, 2048):
+        p = rng.dirichlet(np.full(a, 0.2))
+        p[0] = 0.0  # even a zero-probability symbol stays codable
+        cum = rans.quantize_probs(p)
+        freq = np.diff(cum.astype(np.int64))
+        assert cum[0] == 0 and cum[-1] == rans.TOTAL and freq.min() >= 1
+        # close to the target: no symbol is off by more than a slot plus its floor share
+        assert np.all(np.abs(freq - p / p.sum() * (rans.TOTAL - a)) <= 2.0)
+        b = rans.bucket_table(cum)
+        starts = np.arange(rans.BUCKETS) << rans.BUCKET_SHIFT
+        assert np.all(cum[b] <= starts) and np.all(starts < cum[b.astype(np.int64) + 1])
+    with pytest.raises(ValueError):
+        rans.quantize_probs(np.ones(1))
+
+
+@pytest.mark.parametrize("seed,rows,per_lane,max_alphabet", [
+    (1, 37, 5, 64), (2, 1, 16, 8), (3, 256, 1, 2048), (4, 5, 3, 4), (5, 100, 24, 600)])
+def test_c_library_and_numpy_reference_write_the_same_words_and_symbols(seed, rows, per_lane, max_alphabet):
+    assert rans.library() is not None, "the C library must build on CI machines (cc is installed)"
+    models, sym, lanes = _case(seed, rows=rows, per_lane=per_lane, max_alphabet=max_alphabet)
+    used_c, words_c = rans.encode_lanes(sym, lanes, models)
+    used_r, words_r = rans.encode_lanes_ref(sym, lanes, models)
+    assert np.array_equal(used_c, used_r) and np.array_equal(words_c, words_r)
+    start = np.concatenate([[0], np.cumsum(used_c)]).astype(np.int64)
+    out_c = np.full_like(sym, -7)
+    out_r = np.full_like(sym, -7)
+    assert rans.decode_lanes(words_c, start, lanes, models, out_c) == (rans.OK, 0)
+    assert rans.decode_lanes_ref(words_c, start, lanes, models, out_r) == (rans.OK, 0)
+    coded = np.zeros(len(models), bool)
+    coded[lanes.comp_model] = True
+    assert np.array_equal(out_c[coded], sym[coded]) and np.array_equal(out_r[coded], sym[coded])
+    assert np.all(out_c[~coded] == -7)  # lanes write only their own components
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), flips=st.integers(1, 4))
+def test_damaged_words_fail_the_same_way_in_both_and_never_escape_their_buffers(seed, flips):
+    models, sym, lanes = _case(seed % 1000, n_comp=12, rows=29, per_lane=4)
+    used, words = rans.encode_lanes(sym, lanes, models)
+    start = np.concatenate([[0], np.cumsum(used)]).astype(np.int64)
+    rng = np.random.default_rng(seed)
+    bad = words.copy()
+    for pos in rng.integers(0, bad.size, flips):
+        bad[pos] ^= np.uint16(rng.integers(1, 1 << 16))
+    # Output with guard bands on both sides: nothing may land outside the symbols.
+    guard = np.full(len(models) * 29 + 64, -9, np.int32)
+    out_c = guard[32:-32].reshape(len(models), 29)
+    out_r = np.full_like(out_c, -9)
+    res_c = rans.decode_lanes(bad, start, lanes, models, out_c)
+    res_r = rans.decode_lanes_ref(bad, start, lanes, models, out_r)
+    assert res_c == res_r
+    assert np.all(guard[:32] == -9) and np.all(guard[-32:] == -9)
+    if res_c[0] == rans.OK:  # rANS cannot always tell; the chunk CRC is the first line
+        assert np.array_equal(out_c, out_r)
+    # a shortened stream always fails
+    short = start.copy()
+    short[-1] -= 1
+    assert rans.decode_lanes(words, short, lanes, models, out_c)[0] != rans.OK
+    assert rans.decode_lanes_ref(words, short, lanes, models, out_r)[0] != rans.OK
+
+
+def test_block_round_trip_with_escapes_and_uncoded_components():
+    rng = np.random.default_rng(7)
+    models = _models(rng, 40)
+    n = 300
+    sym = rng.laplace(0, 2, (n, 40)).round().astype(np.int32)
+    sym[:, 5:9] = 0  # uncoded: cost one bitmap bit each
+    sym[17, 3] = 100_000  # beyond any alphabet: escapes, travel raw
+    sym[0, 39] = -123_456
+    data = rans.encode_block(sym, models)
+    out, coded = rans.decode_block(data, n, models)
+    assert np.array_equal(out, sym.T) and not coded[5:9].any() and coded[:5].all()
+
+
+def test_block_rejects_inconsistent_tables():
+    rng = np.random.default_rng(8)
+    models = _models(rng, 10)
+    sym = rng.laplace(0, 2, (50, 10)).round().astype(np.int32)
+    data = bytearray(rans.encode_block(sym, models))
+    with pytest.raises(CodecError, match="lane"):
+        rans.decode_block(bytes(data), 51, models)  # coded for 50 rows: the lanes do not end right
+    bad = bytearray(data)
+    pos = (10 + 7) // 8 + 4 + 4 * struct.unpack_from("<I", data, 2)[0]  # bitmap, escapes: lane table
+    struct.pack_into("<I", bad, pos + 4, 99)  # lanes claimed
+    with pytest.raises(CodecError, match="lanes"):
+        rans.decode_block(bytes(bad), 50, models)
+    with pytest.raises(CodecError, match="words"):
+        rans.decode_block(bytes(data[:-2]), 50, models)
+    with pytest.raises(CodecError):
+        rans.decode_block(bytes(data[:3]), 50, models)
+
+
+def test_codec_works_without_a_compiler(tmp_path, small_profile):
+    """No cc: a warning, then the NumPy reference codes the very bytes the C library does."""
+    import codec
+    from tests.fixtures import synthetic_kv
+
+    path = small_profile.save(tmp_path / "small.kvprofile")
+    code = ("import sys, logging; logging.basicConfig();"
+            "from codec import encode, profile, rans; from tests.fixtures import synthetic_kv;"
+            f"p = profile.Profile.load({str(path)!r}); profile.register(p);"
+            "d = encode(synthetic_kv(21, seed=5).half(), 'high', p, start=3);"
+            "assert rans.library() is None; sys.stdout.buffer.write(d)")
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path), HOME=str(tmp_path))
+    env.pop("CACHE_DIRECTORY", None)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env,
+                         cwd=str(REPO))
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"NumPy reference" in res.stderr
+    assert res.stdout == codec.encode(synthetic_kv(21, seed=5).half(), "high", small_profile, start=3)
+
+
+def test_a_lane_size_chosen_by_another_encoder_still_decodes(monkeypatch):
+    """Lanes per substream are the encoder's choice, recorded in the stream: retuning
+    LANE_SYMBOLS must not strand chunks already stored."""
+    rng = np.random.default_rng(12)
+    models = _models(rng, 30)
+    sym = rng.laplace(0, 3, (40, 30)).round().astype(np.int32)
+    monkeypatch.setattr(rans, "LANE_SYMBOLS", 7)
+    small_lanes = rans.encode_block(sym, models)
+    monkeypatch.undo()
+    assert small_lanes != rans.encode_block(sym, models)
+    out, _ = rans.decode_block(small_lanes, 40, models)
+    assert np.array_equal(out, sym.T)
