@@ -13,10 +13,11 @@ from codec import profile as profiles
 from tests.fixtures import SMALL, synthetic_kv
 
 # What makes a test a `system` test (pyproject.toml's markers): living in tests/system/ (daemon
-# processes, network namespaces, the real model, real servers, root), or a fixture that starts a
-# daemon in the test's loop (its codec pool spawns a worker that imports torch) or loads the real model.
+# processes, network namespaces, the real model, real servers, root), or loading the real model.
+# A daemon in the test's loop (`inprocess`) is not one: it takes a fraction of a second on the
+# session's codec pool.
 SYSTEM_DIR = Path(__file__).resolve().parent / "system"
-SYSTEM_FIXTURES = {"lm", "inprocess"}
+SYSTEM_FIXTURES = {"lm"}
 
 
 def pytest_collection_modifyitems(config, items):
