@@ -2,6 +2,7 @@
 (loaded once per session), daemons in the test's event loop, and a really small disk."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tests.fixtures import SMALL, synthetic_kv
 # session's codec pool.
 SYSTEM_DIR = Path(__file__).resolve().parent / "system"
 SYSTEM_FIXTURES = {"lm"}
+STOP_TIMEOUT_S = 60  # an in-process daemon stops in well under a second
 
 
 def pytest_collection_modifyitems(config, items):
@@ -102,7 +104,13 @@ async def inprocess(tmp_path, small_profile, codec_pool):
 
     yield start
     for d in reversed(started):
-        await d.stop()
+        try:
+            await asyncio.wait_for(d.stop(), STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:  # a hang is a failure that says where, not a suite that never ends
+            stacks = "\n".join(f"{t.get_name()}: {t.get_coro()!r}\n" + "".join(
+                f"  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}\n" for f in t.get_stack())
+                for t in asyncio.all_tasks())
+            raise AssertionError(f"daemon {d.node_id} did not stop within {STOP_TIMEOUT_S} s; tasks:\n{stacks}")
 
 
 @pytest.fixture
