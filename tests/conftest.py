@@ -104,13 +104,24 @@ async def inprocess(tmp_path, small_profile, codec_pool):
 
     yield start
     for d in reversed(started):
-        try:
-            await asyncio.wait_for(d.stop(), STOP_TIMEOUT_S)
-        except asyncio.TimeoutError:  # a hang is a failure that says where, not a suite that never ends
-            stacks = "\n".join(f"{t.get_name()}: {t.get_coro()!r}\n" + "".join(
-                f"  {f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}\n" for f in t.get_stack())
-                for t in asyncio.all_tasks())
+        stop = asyncio.ensure_future(d.stop())
+        await asyncio.wait({stop}, timeout=STOP_TIMEOUT_S)
+        if not stop.done():  # a hang is a failure that says where, not a run that never ends
+            stacks = "\n".join(f"{t.get_name()}:\n{_awaiting(t.get_coro())}" for t in asyncio.all_tasks())
+            stop.cancel()
             raise AssertionError(f"daemon {d.node_id} did not stop within {STOP_TIMEOUT_S} s; tasks:\n{stacks}")
+        stop.result()
+
+
+def _awaiting(coro) -> str:
+    """Where a coroutine waits, down its chain of awaits."""
+    lines = []
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        lines.append(f"  {coro.cr_frame.f_code.co_filename}:{coro.cr_frame.f_lineno} {coro.cr_frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None)
+    if coro is not None:
+        lines.append(f"  awaiting {coro!r}"[:300])
+    return "\n".join(lines)
 
 
 @pytest.fixture
