@@ -22,7 +22,10 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     lm = models.load(args.model)
     sens = Profile.load(args.sensitivity_from).tensors["sensitivity"] if args.sensitivity_from else None
     prof = calibrate.calibrate(lm, split=args.split, contexts=args.contexts, tokens=args.tokens, sensitivity=sens,
-                               texts=args.texts or calibrate.TUNING_TEXTS)
+                               texts=args.texts or calibrate.TUNING_TEXTS,
+                               tuning_contexts=args.tuning_contexts or calibrate.TUNING_CONTEXTS,
+                               tuning_tokens=args.tuning_tokens or calibrate.TUNING_TOKENS,
+                               tuning_continuation=args.tuning_continuation or calibrate.TUNING_CONTINUATION)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
@@ -252,6 +255,12 @@ def parser() -> argparse.ArgumentParser:
     model_option(cal)
     cal.add_argument("--texts", nargs="+", default=None, metavar="KIND",
                      help="kinds of text whose valid split the level scales are tuned on (default: all)")
+    cal.add_argument("--tuning-contexts", type=int, default=None, metavar="N",
+                     help="contexts of each kind of text the sensitivity and level scales are measured on "
+                          "(default 3; fewer, and fewer tokens, make a quick rough profile)")
+    cal.add_argument("--tuning-tokens", type=int, default=None, metavar="N",
+                     help="tokens of each such context (default 3072), followed by --tuning-continuation more (default 256)")
+    cal.add_argument("--tuning-continuation", type=int, default=None, metavar="N")
     cal.add_argument("--sensitivity-from", metavar="PROFILE",
                      help="reuse the sensitivity measured for an earlier profile of the same model")
     cal.set_defaults(func=_profile_calibrate)

@@ -2,6 +2,7 @@
 (loaded once per session), daemons in the test's event loop, and a really small disk."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 
@@ -13,10 +14,12 @@ from codec import profile as profiles
 from tests.fixtures import SMALL, synthetic_kv
 
 # What makes a test a `system` test (pyproject.toml's markers): living in tests/system/ (daemon
-# processes, network namespaces, the real model, real servers, root), or a fixture that starts a
-# daemon in the test's loop (its codec pool spawns a worker that imports torch) or loads the real model.
+# processes, network namespaces, the real model, real servers, root), or loading the real model.
+# A daemon in the test's loop (`inprocess`) is not one: it takes a fraction of a second on the
+# session's codec pool.
 SYSTEM_DIR = Path(__file__).resolve().parent / "system"
-SYSTEM_FIXTURES = {"lm", "inprocess"}
+SYSTEM_FIXTURES = {"lm"}
+STOP_TIMEOUT_S = 60  # an in-process daemon stops in well under a second
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,7 +104,24 @@ async def inprocess(tmp_path, small_profile, codec_pool):
 
     yield start
     for d in reversed(started):
-        await d.stop()
+        stop = asyncio.ensure_future(d.stop())
+        await asyncio.wait({stop}, timeout=STOP_TIMEOUT_S)
+        if not stop.done():  # a hang is a failure that says where, not a run that never ends
+            stacks = "\n".join(f"{t.get_name()}:\n{_awaiting(t.get_coro())}" for t in asyncio.all_tasks())
+            stop.cancel()
+            raise AssertionError(f"daemon {d.node_id} did not stop within {STOP_TIMEOUT_S} s; tasks:\n{stacks}")
+        stop.result()
+
+
+def _awaiting(coro) -> str:
+    """Where a coroutine waits, down its chain of awaits."""
+    lines = []
+    while coro is not None and getattr(coro, "cr_frame", None) is not None:
+        lines.append(f"  {coro.cr_frame.f_code.co_filename}:{coro.cr_frame.f_lineno} {coro.cr_frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None)
+    if coro is not None:
+        lines.append(f"  awaiting {coro!r}"[:300])
+    return "\n".join(lines)
 
 
 @pytest.fixture

@@ -95,8 +95,10 @@ def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
 
 
 def test_calibration_makes_a_working_profile(lm, tmp_path):
-    prof = calibrate.calibrate(lm, contexts=2, tokens=320, sensitivity_contexts=1, sensitivity_tokens=256,
-                               continuation=48, tuning_contexts=1, tuning_tokens=256, tuning_continuation=32,
+    """The whole calibration at a toy size (what it makes is checked to work, not to be good:
+    the shipped profile's quality is test_shipped_profile_matches_the_model's and the levels' tests')."""
+    prof = calibrate.calibrate(lm, contexts=1, tokens=160, sensitivity_contexts=1, sensitivity_tokens=128,
+                               continuation=16, tuning_contexts=1, tuning_tokens=128, tuning_continuation=16,
                                log=lambda _msg: None)
     path = prof.save(tmp_path / "small.kvprofile")
     loaded = codec.Profile.load(path)

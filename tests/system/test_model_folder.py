@@ -135,7 +135,8 @@ def test_a_cache_that_holds_a_heads_first_copy_as_it_is_continues_like_one_that_
 def test_calibrate_put_fetch_generate_with_a_model_folder(tmp_path, request, which):
     folder = request.getfixturevalue(f"{which}_folder")
     profile = tmp_path / "tiny.kvprofile"
-    _cli("profile", "calibrate", "--model", str(folder), "--out", str(profile), "--contexts", "1", "--tokens", "256")
+    _cli("profile", "calibrate", "--model", str(folder), "--out", str(profile), "--contexts", "1", "--tokens", "256",
+         "--tuning-contexts", "1", "--tuning-tokens", "128", "--tuning-continuation", "16")
     from codec.profile import Profile
 
     prof = Profile.load(profile)
