@@ -63,6 +63,7 @@ class PeerManager:
         self._reaper: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.get_running_loop()
+        self._stopping = False
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -117,6 +118,7 @@ class PeerManager:
                 self._dialers[addr] = asyncio.ensure_future(self._dial_loop(addr))
 
     async def stop(self) -> None:
+        self._stopping = True  # a dial loop that missed its cancel ends at its next turn
         for t in self._dialers.values():
             t.cancel()
         for t in (self._reaper, *self._dialling.values()):
@@ -171,11 +173,14 @@ class PeerManager:
 
     async def _connect(self, host: str, port: int) -> aio.PeerConnection:
         """Dial a peer: TCP (TLS where configured) and the handshake, within its timeout."""
-        return await asyncio.wait_for(
-            aio.connect(host, port, self.node_id, self.secret, handler=self.serving.serve, caps=self.caps,
-                        max_frame_bytes=self.cfg.max_frame_bytes, handshake_timeout=self.cfg.handshake_timeout_s,
-                        ssl=self.tls.client if self.tls else None),
-            self.cfg.handshake_timeout_s + 5)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the connection when it is
+        # made just as the dialler is cancelled, swallowing the cancel (a stopping node then
+        # went on dialling, and its stop never ended)
+        async with asyncio.timeout(self.cfg.handshake_timeout_s + 5):
+            return await aio.connect(host, port, self.node_id, self.secret, handler=self.serving.serve,
+                                     caps=self.caps, max_frame_bytes=self.cfg.max_frame_bytes,
+                                     handshake_timeout=self.cfg.handshake_timeout_s,
+                                     ssl=self.tls.client if self.tls else None)
 
     async def connect_to(self, peer: str, address: str | None = None) -> aio.PeerConnection | None:
         """A ready connection to `peer`: one there is, or, where the directory gave its address
@@ -230,7 +235,7 @@ class PeerManager:
     async def _dial_loop(self, addr: tuple[str, int]) -> None:
         state = self.configured[addr]
         delay = self.cfg.retry_min_s
-        while True:
+        while not self._stopping:
             state.attempts += 1
             try:
                 conn = await self._connect(*addr)
@@ -239,6 +244,9 @@ class PeerManager:
                 if state.attempts <= 1 or state.attempts % 10 == 0:
                     log.info("peer %s: cannot connect (%s); retrying with backoff", state.address, state.last_error)
             else:
+                if self._stopping:  # made as the node stops
+                    conn.close("normal", "stopping")
+                    return
                 delay = self.cfg.retry_min_s
                 state.last_error = None
                 await self._run_conn(conn, state)
