@@ -153,7 +153,6 @@ class Fetches:
                 stages = await asyncio.to_thread(self._stages_for, prof)
             job = FetchJob(p, o, view, self.store, self.peers, self.coder, self.metrics, segment=segment,
                            stages=stages)
-            del segment
             res = await job.run(emit)
             if job.arrived and o.keep_fetched:  # off the fetch's path: its client has every chunk already
                 kept = self._spawn(self._keep_arrived(o.model_id, tokens, p, prof, job.arrived))

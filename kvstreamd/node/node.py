@@ -33,8 +33,6 @@ from kvstreamd.node.puts import Puts
 from kvstreamd.ops import diagnosis
 from kvstreamd.store.store import Store
 
-__all__ = ["Node", "RequestError"]
-
 
 class Node:
     def __init__(self, cfg: Config, store: Store, directory: Directory, coder: Coder, peers: PeerManager,
