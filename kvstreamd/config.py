@@ -28,6 +28,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
 
 from kvstreamd.config_values import (  # the parsers, and the names callers import from here
     _SUN_PATH_MAX,
@@ -238,12 +239,35 @@ def _experiment(value, where, ctx) -> Experiment:
     return Experiment(float(fraction), rule, levels)
 
 
+def _without_password(url: str) -> str:
+    """A Redis URL as an error message may show it: any password replaced by ***."""
+    return re.sub(r"(//[^/@]*?:)[^/@]*@", r"\1***@", url)
+
+
 def _redis_url(value, where, ctx) -> str:
     if not isinstance(value, str):
         raise _wrong_type(value, where, 'a string "redis://host:port/db"')
+    shown = _show(_without_password(value))
     if not re.match(r"(redis|rediss|unix)://", value):
-        raise ConfigError(f'{where}: {_show(value)} is not a Redis URL (e.g. "redis://10.0.0.5:6379/0", '
+        raise ConfigError(f'{where}: {shown} is not a Redis URL (e.g. "redis://10.0.0.5:6379/0", '
                           f'"rediss://..." for TLS, "unix:///run/redis/redis.sock")')
+    url = urlsplit(value)
+    if url.scheme == "unix":
+        if not url.path:
+            raise ConfigError(f"{where}: {shown} names no socket path")
+        return value
+    try:
+        port = url.port  # (a port that is not a number, or past 65535, raises here, as in redis-py)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {shown}: {e}") from None
+    if not url.hostname:
+        raise ConfigError(f"{where}: {shown} names no host")
+    if port == 0:
+        raise ConfigError(f"{where}: {shown}: port 0 is not a port Redis listens on")
+    db = url.path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"{where}: {shown}: the database after the last / is a number (e.g. /0), "
+                          f"not {_show(db)}")
     return value
 
 
@@ -297,7 +321,7 @@ class Config:
         path = self.peer.secret_file
         if path is None:
             return None
-        where = f"{self.source or _NO_FILE}: [peer] secret_file"
+        where = self.where("[peer] secret_file")
         try:
             data = path.read_bytes().strip()
             mode = path.stat().st_mode
@@ -322,7 +346,11 @@ class Config:
         try:
             return tls.contexts(p.tls_cert, p.tls_key, p.tls_ca)
         except tls.TLSFileError as e:
-            raise ConfigError(f"{self.source or _NO_FILE}: [peer] tls_{e.which}: {str(e.path)!r}: {e.why}") from None
+            raise ConfigError(f"{self.where(f'[peer] tls_{e.which}')}: {str(e.path)!r}: {e.why}") from None
+
+    def where(self, key: str) -> str:
+        """Where a key was set, as error messages name it: "<file>: [section] key"."""
+        return f"{self.source or _NO_FILE}: {key}"
 
     def workers(self) -> int:
         """Codec worker processes: [codec] workers, or 0 -> one per CPU this process may use."""

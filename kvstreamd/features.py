@@ -56,6 +56,11 @@ class Feature:
         """This feature's section of /v1/status."""
         return None
 
+    def degraded(self) -> list[dict]:
+        """What this feature finds the node cannot do in full now: {"reason", "message"} each,
+        reasons from metrics.DEGRADED (/healthz, /v1/status and kvstreamd_degraded show them)."""
+        return []
+
     def fetch_began(self, began: FetchBegan) -> None:
         """A fetch is about to run."""
 

@@ -22,7 +22,7 @@ _SHARE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 # What a node can be degraded by (kvstreamd_degraded{reason}; Node.degraded() says which now).
-DEGRADED = ("codec_workers", "disk_full", "disk_error", "directory")
+DEGRADED = ("codec_workers", "disk_full", "disk_error", "directory", "certificate")
 
 
 def new_request_id() -> str:
@@ -129,9 +129,12 @@ class Metrics:
         self.puts = Counter("kvstreamd_put_chunks", "Chunks offered by local puts, by outcome (stored, already_held, "
                             "memory_only: its file could not be written, refused; fetched: kept from a fetch, to serve onward)", ["outcome"], registry=r)
         self.degraded = Gauge("kvstreamd_degraded", "1 while the node is degraded for this reason (codec_workers: "
-                              "a worker died and is being replaced; disk_full; disk_error; directory: Redis unreachable)", ["reason"], registry=r)
+                              "a worker died and is being replaced; disk_full; disk_error; directory: Redis unreachable; certificate: "
+                              "[peer] tls_cert or tls_ca expired or not valid yet)", ["reason"], registry=r)
         for reason in DEGRADED:
             self.degraded.labels(reason).set(0)
+        self.tls_expiry = Gauge("kvstreamd_tls_expiry_timestamp_seconds", "When the first of [peer] tls_cert and "
+                                "tls_ca expires, in Unix seconds (0: plaintext peer links)", registry=r)
         self.codec_restarts = Counter("kvstreamd_codec_worker_restarts", "Times the codec workers were replaced "
                                       "after one died", registry=r)
         self._codec_restarts = 0

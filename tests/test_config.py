@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 from pathlib import Path
@@ -444,3 +445,30 @@ def test_preload_paths_are_relative_to_the_file_and_one_path_may_be_a_string(env
                                                                                   "gemma3-270m", 2 * 2**30)
     assert load(write(tmp_path, '[store]\npreload = ["/a.txt", "b"]\n'), env).store.preload == (
         Path("/a.txt"), tmp_path / "b")
+
+
+@pytest.mark.parametrize("url", ["redis://10.0.0.5:6379/0", "redis://redis.local", "rediss://:pw@10.0.0.5:6380/3",
+                                 "unix:///run/redis/redis.sock"])
+def test_a_redis_url_redis_py_can_use_is_taken(env, tmp_path, url):
+    assert load(write(tmp_path, f'[directory]\nurl = "{url}"\n'), env).directory.url == url
+
+
+@pytest.mark.parametrize("url, why", [
+    ("redis://10.0.0.5:notaport/0", "Port could not be cast to integer value as 'notaport'"),
+    ("redis://10.0.0.5:99999/0", "Port out of range 0-65535"),
+    ("redis://10.0.0.5:0/0", "port 0 is not a port Redis listens on"),
+    ("redis://:6379/0", "names no host"),
+    ("redis://10.0.0.5:6379/zero", 'the database after the last / is a number (e.g. /0), not "zero"'),
+    ("unix://", "names no socket path"),
+    ("http://10.0.0.5:6379", "is not a Redis URL"),
+])
+def test_a_redis_url_that_cannot_be_used_is_refused_at_load_saying_why(env, tmp_path, url, why):
+    with pytest.raises(ConfigError) as err:
+        load(write(tmp_path, f'[directory]\nurl = "{url}"\n'), env)
+    assert f"[directory] url: {json.dumps(url)}" in str(err.value) and why in str(err.value), str(err.value)
+
+
+def test_a_redis_url_refused_never_shows_its_password(env, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load(write(tmp_path, '[directory]\nurl = "rediss://user:hunter2@10.0.0.5:notaport/0"\n'), env)
+    assert "hunter2" not in str(err.value) and '"rediss://user:***@10.0.0.5:notaport/0"' in str(err.value)

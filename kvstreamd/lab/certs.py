@@ -72,9 +72,11 @@ class CA:
 
         path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
-    def host(self, name: str, addresses: tuple[str, ...] = ("127.0.0.1",)) -> HostCert:
+    def host(self, name: str, addresses: tuple[str, ...] = ("127.0.0.1",), *,
+             valid: tuple[datetime.datetime, datetime.datetime] | None = None) -> HostCert:
         """A certificate for host `name` (CN and DNS name), with `addresses` as IP names too
-        (not needed by kvstreamd, which checks the chain, not the name), signed by this CA."""
+        (not needed by kvstreamd, which checks the chain, not the name), signed by this CA,
+        valid from five minutes ago for the CA's days, or over `valid` (not before, not after)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -84,8 +86,8 @@ class CA:
         alt = [x509.DNSName(name)] + [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
         cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(self.cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=self.days))
+                .not_valid_before(valid[0] if valid else now - datetime.timedelta(minutes=5))
+                .not_valid_after(valid[1] if valid else now + datetime.timedelta(days=self.days))
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.SubjectAlternativeName(alt), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,

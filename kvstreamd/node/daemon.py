@@ -13,11 +13,13 @@ import signal
 import socket
 import stat
 import time
+from concurrent.futures import BrokenExecutor
 from pathlib import Path
 
 import torch
 from aiohttp import web
 
+from codec.errors import CodecError
 from codec.parallel import CodecPool
 from codec.segments import SEG_PREFIX as CODEC_SEG_PREFIX
 
@@ -34,6 +36,7 @@ from kvstreamd.node import api
 from kvstreamd.node.api import make_app
 from kvstreamd.node.node import Node
 from kvstreamd.ops import sdnotify
+from kvstreamd.ops.certificates import CertificateWatch
 from kvstreamd.ops.health import HealthWatch
 from kvstreamd.ops.outcomes import OutcomeLog
 from kvstreamd.ops.preload_child import PreloadChild
@@ -80,6 +83,7 @@ def features(cfg: Config, store: Store, directory: Directory, peers: PeerManager
         OutcomeLog(cfg),
         Prefetcher(cfg, store, directory, peers, coder, metrics),
         PreloadChild(cfg.store.preload, cfg.store.preload_model, cfg.api.socket),
+        CertificateWatch(cfg, metrics),
     ]
 
 
@@ -136,8 +140,14 @@ class Daemon:
         for path, why in report.corrupt:
             log.warning("store: skipped corrupt file %s: %s", path, why)
             self.metrics.error("store_corrupt")
-        self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, cfg.codec.levels,
-                                               self._codec_pool)
+        try:
+            self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, cfg.codec.levels,
+                                                   self._codec_pool)
+        except CodecError as e:  # the profile file does not load: a bad configuration, as a bad secret file
+            raise ConfigError(f"{cfg.where('[codec] profile')}: {e}") from None
+        except (OSError, BrokenExecutor) as e:  # no processes, file descriptors or memory to start them
+            raise StartupError(f"[codec] workers: {cfg.workers()} codec worker processes could not start: "
+                               f"{type(e).__name__}: {e}") from None
         log.info("fetched chunks decode on %s", f"{gpu} (CUDA streams, IPC hand-off)" if gpu else f"the CPU ({gpu_why})")
         if secret is None:
             log.warning("no [peer] secret configured: using a random one, so no peer can join this node")

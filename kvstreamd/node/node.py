@@ -166,6 +166,8 @@ class Node:
         why = self.directory.fault()
         if why is not None:
             out.append({"reason": "directory", "message": why})
+        for f in self.features.values():
+            out.extend(f.degraded())
         return out
 
     def health(self) -> dict:

@@ -55,7 +55,7 @@ def run(client: Client, probe_bytes: int | None = None, probe_timeout_s: float |
                       "is it running (systemctl status kvstreamd)? --socket or $KVSTREAMD_SOCKET name its socket")]
     return [daemon(status), gpu(facts["gpu"]), cpu(), decode(facts["decode"]), *peers(probed),
             damaged_chunks(facts), hit_rate(metrics), store(status), pins(status["store"]),
-            *profiles(facts["models"]), clocks(probed)]
+            certificate(status.get("certificate")), *profiles(facts["models"]), clocks(probed)]
 
 
 def to_json(checks: list[Check]) -> dict:
@@ -260,6 +260,27 @@ def _pins(s: dict) -> Check:
     if (pinned or 0) >= PINS_FULL * budget:
         return Check("pins", WARN, figure, "new pins will be refused: unpin contexts or raise [store] pin_budget")
     return Check("pins", OK, figure)
+
+
+def certificate(section: dict | None) -> Check:
+    """The peer links' certificate and CA (/v1/status "certificate", kvstreamd/ops/certificates.py):
+    FAIL once one is expired or not valid yet (peers refuse this node), WARN within its
+    expires_soon_days, else OK; plaintext links have none to check."""
+    if not section:
+        return Check("certificate", OK, "plaintext peer links: no certificate to expire")
+    files = section["files"]
+    data = {f["setting"]: {"not_after": f["not_after"], "days_left": f["days_left"], "state": f["state"]}
+            for f in files}
+    refused = [f for f in files if f["state"] in ("expired", "not_yet_valid")]
+    soon = [f for f in files if f["state"] == "expires_soon"]
+    if refused:
+        return Check("certificate", FAIL, "; ".join(f["message"] for f in refused),
+                     "renew the file (README, \"TLS\") and restart the daemon", data)
+    if soon:
+        return Check("certificate", WARN, "; ".join(f["message"] for f in soon),
+                     "renew it before it ends, then restart the daemon", data)
+    first = min(files, key=lambda f: f["days_left"])
+    return Check("certificate", OK, f"{first['setting']} ends first, in {first['days_left']:.0f} days", data=data)
 
 
 def profiles(models: list[dict]) -> list[Check]:

@@ -182,3 +182,11 @@ async def test_peer_up_is_1_for_a_reachable_configured_peer_and_0_for_one_that_r
                 await asyncio.sleep(0.05)
     assert up == {alive: 1.0, dead: 0.0}
 
+
+
+def test_the_certificate_alert_fires_the_days_ahead_that_certificates_py_warns():
+    from kvstreamd.ops import certificates
+
+    expr = alerts()["KvstreamdCertificateExpiresSoon"]["expr"]
+    (ahead,) = re.findall(r"time\(\)\s*<\s*([0-9.]+)", expr)
+    assert float(ahead) == certificates.EXPIRES_SOON_DAYS * 86400
