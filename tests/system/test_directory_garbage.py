@@ -97,9 +97,10 @@ async def test_keys_of_the_wrong_type_fail_no_lookup_and_no_republish_and_are_re
         await until("b never found a's context", lambda: _peers_are(cb, tokens, {"a": 512}))
 
         # another client: a string where the set of holders belongs, a list for the levels hash,
-        # a list at a's own host key (its lease is gone: it publishes everything anew), and a hash
-        # at the host key of a member of k0's holders
-        r.delete(key("chunk", k1), key("levels", k1))
+        # a list at a's own host key (its lease is gone: it publishes everything anew), a string
+        # for a's held: set, and a hash at the host key of a member of k0's holders
+        r.delete(key("chunk", k1), key("levels", k1), key("held", "a"))
+        r.set(key("held", "a"), b"not a set")
         r.set(key("chunk", k1), b"not a set")
         r.rpush(key("levels", k1), b"not a hash")
         r.delete(key("host", "a"))
@@ -109,15 +110,18 @@ async def test_keys_of_the_wrong_type_fail_no_lookup_and_no_republish_and_are_re
 
         await cb.lookup(MODEL, tokens)  # answered (a is found again once it renews its host entry)
         await healthy_and_quick(cb)
+        for _ in range(15):  # a republishes over it: not degraded once, through three renewals
+            await healthy_and_quick(ca)
+            await asyncio.sleep(0.1)
         await until("a never published k1 again over the garbage", lambda: _peers_are(cb, tokens, {"a": 512}))
         assert r.type(key("chunk", k1)) == b"set" and r.type(key("levels", k1)) == b"hash"
-        assert r.type(key("host", "a")) == b"string"
+        assert r.type(key("host", "a")) == b"string" and r.type(key("held", "a")) == b"set"
         assert redis_server.holds(PREFIX, "a", [k0, k1])
 
         assert await fetched_from(cb, tokens) == [("kv", "a")] * 2
         await healthy_and_quick(ca, cb)
         assert (await ca.status())["directory"]["up"] and (await cb.status())["directory"]["up"]
-        assert (await errors(ca)).get("directory_wrong_type", 0) >= 3  # host:a, chunk:k1, levels:k1
+        assert (await errors(ca)).get("directory_wrong_type", 0) >= 4  # host:a, held:a, chunk:k1, levels:k1
         assert (await errors(cb)).get("directory_wrong_type", 0) >= 1  # host:w (and chunk:k1 if seen)
         assert "directory_unreachable" not in await errors(ca) and "directory_unreachable" not in await errors(cb)
     no_traceback(caplog)
