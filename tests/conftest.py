@@ -125,6 +125,16 @@ def _awaiting(coro) -> str:
 
 
 @pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free port (kvstreamd/lab/redisserver.py), stopped at the end."""
+    from kvstreamd.lab.redisserver import RedisServer
+
+    s = RedisServer(tmp_path / "redis").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs (needs root): writes really fail with ENOSPC."""
     mnt = tmp_path / "tmpfs"

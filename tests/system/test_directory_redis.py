@@ -24,10 +24,8 @@ PREFIX = "kvs-test:"
 
 
 @pytest.fixture
-def server(tmp_path):
-    s = RedisServer(tmp_path / "redis").start()
-    yield s
-    s.stop()
+def server(redis_server):
+    return redis_server
 
 
 def directory(server: RedisServer, **kw) -> dict:
