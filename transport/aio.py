@@ -134,6 +134,16 @@ class PeerConnection(asyncio.Protocol):
         return self._reading_paused
 
     @property
+    def write_buffer_bytes(self) -> int:
+        """Bytes written to the transport that the kernel has not taken yet."""
+        return 0 if self._transport_gone() else self._transport.get_write_buffer_size()
+
+    @property
+    def inbox_bytes(self) -> int:
+        """Frame bytes of the messages outside a request received and not yet recv()d."""
+        return self._inbox_bytes
+
+    @property
     def rtt(self) -> float | None:
         """Seconds, from the latest ping()."""
         return self.conn.rtt
@@ -289,7 +299,7 @@ class PeerConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
-        self._stall_mark = (self._loop.time(), self._write_buffer_size())
+        self._stall_mark = (self._loop.time(), self.write_buffer_bytes)
         if self._stall_check is None:
             self._stall_check = self._loop.call_later(self._write_stall_s / 4, self._check_stall)
 
@@ -321,24 +331,21 @@ class PeerConnection(asyncio.Protocol):
             raise self._closed_error()
         return size
 
-    def _write_buffer_size(self) -> int:
-        return 0 if self._transport is None else self._transport.get_write_buffer_size()
-
     def _check_stall(self) -> None:
         """While writing is paused: end the connection once its write buffer has not shrunk
         for write_stall_s (the peer reads nothing), dropping what is queued."""
         self._stall_check = None
         if self._writable.is_set() or self._transport_gone():
             return
-        now, size = self._loop.time(), self._write_buffer_size()
+        now, size = self._loop.time(), self.write_buffer_bytes
         since, was = self._stall_mark
         if size < was:
             self._stall_mark = (now, size)
         elif now - since >= self._write_stall_s:
             msg = (f"the peer took none of the {size} bytes queued to it for {now - since:.1f} s "
                    f"(write_stall_s {self._write_stall_s:g}); dropped")
-            self._transport.abort()  # close() would wait for the bytes that do not drain
-            self.conn.close(WRITE_STALLED, msg)  # its ERROR is never written
+            self.conn.close(WRITE_STALLED, msg)  # first: uvloop's abort reports the loss at once
+            self._transport.abort()  # close() would wait for the bytes that do not drain; the ERROR is never written
             self._process()
             return
         self._stall_check = self._loop.call_later(self._write_stall_s / 4, self._check_stall)
