@@ -5,13 +5,19 @@ have not drained for [peer] write_stall_s, answers /healthz all along, and dials
 it is back."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
 import time
+import zlib
 
-from tests.fixtures import synthetic_daemon
+from tests.fixtures import MODEL, SECRET, synthetic_daemon
 from kvstreamd.lab.daemons import wait_for
+from kvstreamd.store.chunkfile import ChunkRecord
+from kvstreamd.store.keys import chunk_keys
+from kvstreamd.store.store import Store
+from transport import aio
 
 PROBE = 16 * 2**20  # the most a probe may ask for
 WRITE_STALL_S = 4.0
@@ -91,3 +97,73 @@ def test_probes_to_a_sigstopped_peer_hold_one_probe_and_its_connection_ends_afte
         for d in (a, b):
             os.kill(d.proc.pid, signal.SIGCONT) if d.alive() else None
             d.kill()
+
+
+# -- serving: a FETCH holds the chunks on the wire, not the whole context ------------------------
+
+CHUNK_BYTES = 2 * 2**20
+CHUNKS = 40  # an 80 MiB context, every chunk on disk only (memory_budget 0)
+FETCHES = 4
+
+
+def big_context(store_dir) -> tuple[list[bytes], list[int]]:
+    """A context of CHUNKS chunks of CHUNK_BYTES at "balanced" written into a store folder
+    before its daemon starts (random bytes: the fetcher never decodes); its keys and each
+    chunk's CRC."""
+    tokens = list(range(1, CHUNKS * 256 + 1))
+    keys = chunk_keys(MODEL, tokens, 256)
+    store = Store(store_dir, 0, 2**30)
+    store.open()
+    crcs = []
+    for i in range(CHUNKS):
+        payload = os.urandom(CHUNK_BYTES)
+        crcs.append(zlib.crc32(payload))
+        store.put(ChunkRecord.of_chunk(keys, i, (i * 256, (i + 1) * 256), MODEL, tokens, "float16",
+                                       (2, 2, 256, 2, 16), {"balanced": payload}))
+    store.close()
+    return keys, crcs
+
+
+class RssPeak(threading.Thread):
+    """A process's RSS every 5 ms; keeps the highest."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, rss(self.pid))
+            time.sleep(0.005)
+
+
+async def fetch_whole(port: int, name: str, keys: list[bytes], crcs: list[int]) -> None:
+    peer = await aio.connect("127.0.0.1", port, name, SECRET)
+    try:
+        got = [(m.i, zlib.crc32(m.payload)) async for m in peer.fetch(keys, 120_000, ["balanced"])]
+    finally:
+        peer.close()
+    assert got == list(enumerate(crcs))  # every chunk, each its own bytes
+
+
+async def test_concurrent_fetches_of_a_large_context_hold_the_chunks_in_flight_not_the_context(
+        tmp_path, small_profile):
+    a = synthetic_daemon(tmp_path, "a", small_profile, store={"memory_budget": 0, "disk_budget": "1GiB"})
+    keys, crcs = big_context(a.root / "store")
+    try:
+        a.start(wait=180)
+        port = int(a.addr.rsplit(":", 1)[1])
+        await fetch_whole(port, "warm", keys, crcs)  # the serving path's allocations made once
+        before = rss(a.proc.pid)
+        peak = RssPeak(a.proc.pid)
+        peak.start()
+        await asyncio.gather(*(fetch_whole(port, f"fetcher-{n}", keys, crcs) for n in range(FETCHES)))
+        peak.done.set()
+        peak.join()
+        grew = peak.peak - before
+        print(f"serving {FETCHES} concurrent fetches of a {CHUNKS * CHUNK_BYTES / 2**20:.0f} MiB context: "
+              f"RSS {before / 2**20:.0f} MiB before, peak +{grew / 2**20:.0f} MiB")
+        assert grew <= CHUNKS * CHUNK_BYTES / 2, f"peak +{grew / 2**20:.0f} MiB"
+        assert "Traceback" not in a.log()
+    finally:
+        a.kill()
