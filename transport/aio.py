@@ -3,7 +3,7 @@ asyncio adapter that feeds protocol.Connection bytes and loop time, writes what 
 turns its events into a handler task per FETCH served (`ServedFetch`, the sender side) and an
 async iterator per fetch (`FetchCall`, the fetcher side). Every request rule, how a request
 ends and buffer accounting are the Connection's; this module only moves bytes and wakes
-tasks. TLS is an option of serve() and connect(). The file is long (~540 lines) because
+tasks. TLS is an option of serve() and connect(). The file is long (~620 lines) because
 PeerConnection is the one place where the Connection's events meet asyncio's callbacks;
 split, each half would need the other's state."""
 from __future__ import annotations
