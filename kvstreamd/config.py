@@ -151,6 +151,7 @@ class PeerConfig:
     tls_ca: Path | None = _key(None, parse=_path)
     max_frame_bytes: int = _key(128 * MiB, parse=_size(64 * KiB, 4 * GiB))
     handshake_timeout_s: float = _key(5.0, parse=_float(gt=0))
+    write_stall_s: float = _key(10.0, parse=_float(gt=0))  # transport.aio.DEFAULT_WRITE_STALL_S
     max_keys_per_peer: int = _key(1_000_000, parse=_int(1))
     retry_min_s: float = _key(0.5, parse=_float(gt=0), reload=True)
     retry_max_s: float = _key(30.0, parse=_float(gt=0), reload=True)

@@ -40,6 +40,7 @@ def test_defaults(env, tmp_path):
     assert cfg.peer.secret == "" and cfg.peer.secret_file is None
     assert cfg.peer.max_frame_bytes == 128 * 2**20
     assert (cfg.peer.handshake_timeout_s, cfg.peer.retry_min_s, cfg.peer.retry_max_s) == (5.0, 0.5, 30.0)
+    assert cfg.peer.write_stall_s == 10.0
     assert cfg.store == config.StoreConfig(dir=tmp_path / "state" / "kvstreamd",
                                            memory_budget=2**30, disk_budget=8 * 2**30)
     assert cfg.codec == config.CodecConfig(chunk_tokens=1024, levels=("high", "balanced", "fast"),
@@ -192,6 +193,7 @@ ERRORS = [
     ("[peer]\nretry_min_s = 5\nretry_max_s = 1\n", "[peer] retry_max_s", "less than [peer] retry_min_s"),
     ("[peer]\nhandshake_timeout_s = 0\n", "[peer] handshake_timeout_s", ": 0 must be > 0"),
     ("[peer]\nhandshake_timeout_s = nan\n", "[peer] handshake_timeout_s", "not a finite number"),
+    ("[peer]\nwrite_stall_s = 0\n", "[peer] write_stall_s", ": 0 must be > 0"),
     ('[peer]\nmax_frame_bytes = "1kB"\n', "[peer] max_frame_bytes", "out of range (>= 64KiB and < 4GiB)"),
     ('[peer]\nmax_frame_bytes = "4GiB"\n', "[peer] max_frame_bytes", "out of range"),
     ('[node]\nlog_level = "loud"\n', "[node] log_level", '"loud" is not one of debug, info, warning, error'),

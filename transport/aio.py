@@ -3,7 +3,7 @@ asyncio adapter that feeds protocol.Connection bytes and loop time, writes what 
 turns its events into a handler task per FETCH served (`ServedFetch`, the sender side) and an
 async iterator per fetch (`FetchCall`, the fetcher side). Every request rule, how a request
 ends and buffer accounting are the Connection's; this module only moves bytes and wakes
-tasks. TLS is an option of serve() and connect(). The file is long (~540 lines) because
+tasks. TLS is an option of serve() and connect(). The file is long (~620 lines) because
 PeerConnection is the one place where the Connection's events meet asyncio's callbacks;
 split, each half would need the other's state."""
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .calls import (ConnectionClosedError, FetchCall, FetchCancelled, FetchError
                     TransportError, grace_s)
 from .events import (AckReceived, CancelReceived, ChunkReceived, ConnectionClosed, EndReceived,
                      ErrorReceived, FetchReceived, HandshakeComplete, MessageReceived)
-from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, NORMAL, NOT_FOUND, Cancel, Chunk, End,
-                       Error, Fetch, Message, Ping, Pong, Text)
+from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, NORMAL, NOT_FOUND, WRITE_STALLED, Cancel, Chunk,
+                       End, Error, Fetch, Message, Ping, Pong, Text)
 from .protocol import Connection, State
 from .requests import DEFAULT_MAX_BUFFERED_BYTES
 
@@ -31,11 +31,20 @@ __all__ = ["PeerConnection", "Server", "serve", "connect", "run", "loop_factory"
            "OnConnect", "FetchCall", "ServedFetch", "TransportError", "HandshakeError",
            "ConnectionClosedError", "FetchError", "FetchFailed", "FetchCancelled",
            "FetchInterrupted", "FetchStalled", "FetchTimedOut", "DEFAULT_HANDSHAKE_TIMEOUT",
-           "DEFAULT_MAX_BUFFERED_BYTES", "grace_s"]
+           "DEFAULT_MAX_BUFFERED_BYTES", "DEFAULT_WRITE_STALL_S", "MAX_INBOX_BYTES", "grace_s"]
 
 log = logging.getLogger("kvstreamd.transport")
 
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0  # seconds from TCP connect to READY
+# A connection whose write buffer is over the transport's high-water mark and has not shrunk
+# for this long is ended (code write_stalled, never sent) and its buffer dropped: a peer that
+# stopped reading (SIGSTOPped, wedged) holds no more of our memory than was queued by then.
+# The daemon's [peer] write_stall_s.
+DEFAULT_WRITE_STALL_S = 10.0
+# Messages outside a request (ADVERTISE, WITHDRAW, ...) received and not yet recv()d: past
+# this many bytes of their frames, reading pauses (TCP pushes back on the peer) until the
+# reader has taken them down to half. At most this plus one read's frames are held.
+MAX_INBOX_BYTES = 16 * 2**20
 Handler = Callable[[ServedFetch, Fetch], Awaitable[None]]
 OnConnect = Callable[["PeerConnection"], Awaitable[None] | None]
 
@@ -66,7 +75,8 @@ class PeerConnection(asyncio.Protocol):
                  max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
                  nonce_source: Callable[[int], bytes] | None = None,
                  on_lost: Callable[[PeerConnection], None] | None = None,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time,
+                 write_stall_s: float = DEFAULT_WRITE_STALL_S, max_inbox_bytes: int = MAX_INBOX_BYTES):
         kw = {"nonce_source": nonce_source} if nonce_source else {}
         # wall_clock: what this side's PONGs report and its own PINGs are stamped against
         self.conn = Connection(role, node_id, secret, max_frame_bytes=max_frame_bytes, caps=caps,
@@ -88,8 +98,15 @@ class PeerConnection(asyncio.Protocol):
         self._lost = self._loop.create_future()
         self._writable = asyncio.Event()
         self._writable.set()
+        self._write_stall_s = write_stall_s
+        self._stall_check: asyncio.TimerHandle | None = None  # while writing is paused
+        self._stall_mark = (0.0, 0)  # (loop time, write buffer size) when the buffer last shrank
+        self._probing = asyncio.Lock()  # one padded PING queued at a time
         self._timer: asyncio.TimerHandle | None = None
-        self._inbox: asyncio.Queue[Message | None] = asyncio.Queue()
+        self._inbox: asyncio.Queue[tuple[Message, int] | None] = asyncio.Queue()  # (message, frame size)
+        self._inbox_bytes = 0
+        self._max_inbox_bytes = max_inbox_bytes
+        self._inbox_full = False  # over max_inbox_bytes, until taken down to half
         self._calls: dict[int, FetchCall] = {}  # this side's fetches still running, by req
         self._served: dict[int, ServedFetch] = {}  # the peer's FETCHes with a handler running
         self._pings: dict[float, asyncio.Future[float]] = {}
@@ -112,8 +129,19 @@ class PeerConnection(asyncio.Protocol):
     @property
     def reading_paused(self) -> bool:
         """True while reading is paused because the connection's receive buffer went over
-        max_buffered_bytes (until it falls to half), so TCP pushes back on the sending peer."""
+        max_buffered_bytes, or the inbox over max_inbox_bytes (until either falls to half), so
+        TCP pushes back on the sending peer."""
         return self._reading_paused
+
+    @property
+    def write_buffer_bytes(self) -> int:
+        """Bytes written to the transport that the kernel has not taken yet."""
+        return 0 if self._transport_gone() else self._transport.get_write_buffer_size()
+
+    @property
+    def inbox_bytes(self) -> int:
+        """Frame bytes of the messages outside a request received and not yet recv()d."""
+        return self._inbox_bytes
 
     @property
     def rtt(self) -> float | None:
@@ -138,10 +166,15 @@ class PeerConnection(asyncio.Protocol):
 
     async def recv(self) -> Message:
         """The next message that is not part of a request; ConnectionClosedError once closed."""
-        msg = await self._inbox.get()
-        if msg is None:
+        item = await self._inbox.get()
+        if item is None:
             self._inbox.put_nowait(None)  # let every other reader see the end too
             raise self._closed_error()
+        msg, size = item
+        self._inbox_bytes -= size
+        if self._inbox_full and self._inbox_bytes <= self._max_inbox_bytes // 2:
+            self._inbox_full = False
+            self._sync_reading()
         return msg
 
     def __aiter__(self) -> PeerConnection:
@@ -190,8 +223,14 @@ class PeerConnection(asyncio.Protocol):
 
     async def probe(self, size: int) -> tuple[float, float]:
         """Active bandwidth probe for a peer with no history: a PING padded with `size`
-        bytes. Returns (write start, PONG arrival) in loop time, like a chunk and its ACK."""
-        return await self._ping(bytes(size))
+        bytes. Returns (write start, PONG arrival) in loop time, like a chunk and its ACK.
+        Probes on one connection go one at a time, and each waits for the write buffer to
+        drain before its padding is made and queued: probes that time out against a peer
+        that stopped reading leave at most one probe's padding queued, not one each."""
+        async with self._probing:
+            await self._writable.wait()
+            self._check_open()
+            return await self._ping(bytes(size))
 
     async def _ping(self, pad: bytes | None) -> tuple[float, float]:
         sent = t = self._loop.time()
@@ -260,9 +299,15 @@ class PeerConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
+        self._stall_mark = (self._loop.time(), self.write_buffer_bytes)
+        if self._stall_check is None:
+            self._stall_check = self._loop.call_later(self._write_stall_s / 4, self._check_stall)
 
     def resume_writing(self) -> None:
         self._writable.set()
+        if self._stall_check is not None:
+            self._stall_check.cancel()
+            self._stall_check = None
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -285,6 +330,25 @@ class PeerConnection(asyncio.Protocol):
         if self.conn.state is State.CLOSED:
             raise self._closed_error()
         return size
+
+    def _check_stall(self) -> None:
+        """While writing is paused: end the connection once its write buffer has not shrunk
+        for write_stall_s (the peer reads nothing), dropping what is queued."""
+        self._stall_check = None
+        if self._writable.is_set() or self._transport_gone():
+            return
+        now, size = self._loop.time(), self.write_buffer_bytes
+        since, was = self._stall_mark
+        if size < was:
+            self._stall_mark = (now, size)
+        elif now - since >= self._write_stall_s:
+            msg = (f"the peer took none of the {size} bytes queued to it for {now - since:.1f} s "
+                   f"(write_stall_s {self._write_stall_s:g}); dropped")
+            self.conn.close(WRITE_STALLED, msg)  # first: uvloop's abort reports the loss at once
+            self._transport.abort()  # close() would wait for the bytes that do not drain; the ERROR is never written
+            self._process()
+            return
+        self._stall_check = self._loop.call_later(self._write_stall_s / 4, self._check_stall)
 
     def _transport_gone(self) -> bool:
         return self._transport is None or self._transport.is_closing()
@@ -325,7 +389,7 @@ class PeerConnection(asyncio.Protocol):
                     served.cancelled = True
                     served.task.cancel()  # at once: the handler sees CancelledError at its next await
             elif isinstance(event, MessageReceived):
-                self._received(event.msg, now)
+                self._received(event.msg, event.size, now)
             elif isinstance(event, HandshakeComplete):
                 self._handshake_done(event)
             elif isinstance(event, ConnectionClosed):
@@ -333,7 +397,7 @@ class PeerConnection(asyncio.Protocol):
         self._flush()
         self._sync_reading()
 
-    def _received(self, msg: Message, now: float) -> None:
+    def _received(self, msg: Message, size: int, now: float) -> None:
         if isinstance(msg, Pong):
             fut = self._pings.pop(msg.time, None)
             wall = self._ping_walls.pop(msg.time, None)
@@ -343,15 +407,19 @@ class PeerConnection(asyncio.Protocol):
             if fut is not None and not fut.done():
                 fut.set_result(now)
         elif not isinstance(msg, Ping):  # the connection has already queued the PONG
-            self._inbox.put_nowait(msg)  # ADVERTISE, WITHDRAW, ERROR "unknown_type"
+            self._inbox.put_nowait((msg, size))  # ADVERTISE, WITHDRAW, ERROR "unknown_type"
+            self._inbox_bytes += size
+            if self._inbox_bytes > self._max_inbox_bytes:
+                self._inbox_full = True  # _process syncs reading after this event
 
     def _taken(self, item: Chunk | Text) -> None:
         self.conn.taken(item)
         self._sync_reading()
 
     def _sync_reading(self) -> None:
-        # the connection decides when its buffer is too full; the transport just follows it
-        want = self.conn.reading_paused
+        # the connection decides when its buffer is too full, the inbox when it is; the
+        # transport just follows them
+        want = self.conn.reading_paused or self._inbox_full
         if want != self._reading_paused and not self._transport_gone():
             self._reading_paused = want
             if want:
@@ -416,6 +484,9 @@ class PeerConnection(asyncio.Protocol):
         self.closed = event
         if self._timer:
             self._timer.cancel()
+        if self._stall_check is not None:
+            self._stall_check.cancel()
+            self._stall_check = None
         level = logging.INFO if event.code in (NORMAL, CONNECTION_LOST) else logging.WARNING
         log.log(level, "peer %s: closed (%s, by %s): %s", self._label, event.code,
                 "peer" if event.by_peer else "us", event.msg)
@@ -503,14 +574,15 @@ async def serve(host: str, port: int, node_id: str, secret: bytes, handler: Hand
                 max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-                ssl: _ssl.SSLContext | None = None) -> Server:
+                ssl: _ssl.SSLContext | None = None, write_stall_s: float = DEFAULT_WRITE_STALL_S) -> Server:
     """Listen on host:port; each connection's FETCHes go to `handler(served, fetch)`,
     and `on_connect(peer)` runs once a connection is READY. With `ssl` (transport.tls's
     server context) every connection is TLS: the handshake, within `handshake_timeout`,
-    comes before any frame is read, and a peer it refuses is logged and dropped."""
+    comes before any frame is read, and a peer it refuses is logged and dropped. A connection
+    whose writes do not drain for `write_stall_s` is ended (PeerConnection)."""
     server = Server(node_id, secret, handler, ssl=ssl, on_connect=on_connect, caps=caps,
                     max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,
-                    max_buffered_bytes=max_buffered_bytes)
+                    max_buffered_bytes=max_buffered_bytes, write_stall_s=write_stall_s)
     await server.listen(host, port)
     return server
 
@@ -520,7 +592,8 @@ async def connect(host: str, port: int, node_id: str, secret: bytes, *,
                   max_frame_bytes: int = frames.DEFAULT_MAX_FRAME_BYTES,
                   handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                   max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-                  ssl: _ssl.SSLContext | None = None) -> PeerConnection:
+                  ssl: _ssl.SSLContext | None = None,
+                  write_stall_s: float = DEFAULT_WRITE_STALL_S) -> PeerConnection:
     """Connect and authenticate; returns a READY PeerConnection or raises HandshakeError
     (OSError if the TCP connection itself fails). With `ssl` (transport.tls's client context)
     the link is TLS, its handshake within `handshake_timeout`; the server's chain is checked
@@ -533,7 +606,8 @@ async def connect(host: str, port: int, node_id: str, secret: bytes, *,
         _, peer = await loop.create_connection(
             lambda: PeerConnection("client", node_id, secret, handler=handler, caps=caps,
                                    max_frame_bytes=max_frame_bytes, handshake_timeout=handshake_timeout,
-                                   max_buffered_bytes=max_buffered_bytes), host, port, **tls_args)
+                                   max_buffered_bytes=max_buffered_bytes, write_stall_s=write_stall_s),
+            host, port, **tls_args)
     except (_ssl.SSLError, ConnectionAbortedError) as e:  # the latter: past ssl_handshake_timeout
         if ssl is None:
             raise

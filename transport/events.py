@@ -2,7 +2,7 @@
 kind, each checked against every rule before it is returned."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .messages import Ack, Cancel, Chunk, End, Error, Fetch, Message, Text
 
@@ -91,6 +91,7 @@ class MessageReceived(Event):
     that passed every check; PINGs are already answered."""
 
     msg: Message  # the message
+    size: int = field(default=0, compare=False)  # its frame's wire size (what the inbox counts)
 
 
 @dataclass(frozen=True)

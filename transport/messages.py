@@ -28,6 +28,7 @@ NORMAL = "normal"  # an orderly close; not an error
 NOT_FOUND = "not_found"  # request-scoped: the sender does not hold a requested key
 INTERNAL = "internal"  # request-scoped: the sender failed while streaming
 CONNECTION_LOST = "connection_lost"  # local only, never sent: the transport closed under us
+WRITE_STALLED = "write_stalled"  # local only, never sent: the peer took none of our bytes for write_stall_s
 
 
 class ProtocolError(Exception):

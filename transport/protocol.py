@@ -269,7 +269,7 @@ class Connection:
             self._queue(Pong(msg.time, self._wall_clock() if self._wall_clock else None))
         elif isinstance(msg, Pong):
             self.rtt = now - msg.time
-        self._events.append(MessageReceived(msg))
+        self._events.append(MessageReceived(msg, size))
 
     def _receive_request_message(self, msg: Message, size: int, now: float) -> None:
         try:

@@ -4,6 +4,7 @@ each chunk at the level FetchSender picks, a window of them in flight (window_ch
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -81,7 +82,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     on the wire at once (window_chunks: the bandwidth-delay product from the estimate and the
     connection's RTT, recomputed before each chunk; `window` fixes it instead): each chunk's
     level is chosen just before it is written, from every ACK received by then.
-    `payload_of` returns None for a chunk it cannot make (damaged where it is kept): the loop
+    `payload_of` may be a coroutine function (a sender that reads each chunk only as it is about
+    to be written holds the chunks in flight, not the whole FETCH); it returns None for a chunk it cannot make (damaged where it is kept): the loop
     stops before it and leaves the request open, as with `count`, and says so in `stopped_at`.
     `before_send(i, level)` runs just before chunk i is written; `on_sent(i, level, nbytes)`
     once it is. `level_of(i, level)`: the level chunk i goes at when `level` is chosen for it
@@ -143,6 +145,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                     nbytes = await served.send_text(i, text_of(i))
                 else:
                     payload = payload_of(i, level)
+                    if inspect.isawaitable(payload):  # read just before it goes (the daemon's store)
+                        payload = await payload
                     if payload is None:  # the chunks before it are acknowledged before the caller says so
                         stopped_at = i
                         continue

@@ -73,7 +73,8 @@ class PeerManager:
                                       on_connect=self._accepted, caps=self.caps,
                                       max_frame_bytes=self.cfg.max_frame_bytes,
                                       handshake_timeout=self.cfg.handshake_timeout_s,
-                                      ssl=self.tls.server if self.tls else None)
+                                      ssl=self.tls.server if self.tls else None,
+                                      write_stall_s=self.cfg.write_stall_s)
         if self.tls:
             log.info("peer links are TLS, mutually authenticated: both sides' certificates are checked "
                      "against the cluster CA %s", self.tls.ca_subject)
@@ -180,7 +181,8 @@ class PeerManager:
             return await aio.connect(host, port, self.node_id, self.secret, handler=self.serving.serve,
                                      caps=self.caps, max_frame_bytes=self.cfg.max_frame_bytes,
                                      handshake_timeout=self.cfg.handshake_timeout_s,
-                                     ssl=self.tls.client if self.tls else None)
+                                     ssl=self.tls.client if self.tls else None,
+                                     write_stall_s=self.cfg.write_stall_s)
 
     async def connect_to(self, peer: str, address: str | None = None) -> aio.PeerConnection | None:
         """A ready connection to `peer`: one there is, or, where the directory gave its address

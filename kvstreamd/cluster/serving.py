@@ -1,4 +1,5 @@
-"""Serving a peer's FETCH: the chunks asked for, pinned while they are sent, each at the level
+"""Serving a peer's FETCH: the chunks asked for, pinned while they are sent and each read from the
+store just before it is sent (a FETCH holds the chunks on the wire, not the whole context), each at the level
 the FETCH's rule picks from the measured link and the deadline (transport/send.py), cut to the
 layers the fetcher's prefix reads. What a sender offers: each chunk's size at each level asked,
 where a chunk held at some of those levels only goes at the nearest it holds (a node that kept
@@ -6,6 +7,7 @@ chunks it fetched holds each at the level it came as)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Callable
 
@@ -39,16 +41,23 @@ def nearest_held(recs, levels: list[str]) -> Callable[[int, str], str]:
     return level_of
 
 
-def coded_sizes(recs, cuts, levels, level_of) -> tuple[dict[str, list[int]], int]:
+def coded_sizes(recs, cuts, levels, level_of, read=None) -> tuple[dict[str, list[int]], int]:
     """Each chunk's size at each level (that is, at the level it goes at when that one is
-    chosen), for the chunks up to the first whose header does not read, and how many those are."""
+    chosen), for the chunks up to the first whose header does not read, and how many those are.
+    `recs` say each level's payload bytes; a chunk cut to some of its layers is `read(i)` (its
+    record, or None: not readable) for the cut's size, one at a time."""
     sizes = {lv: [] for lv in levels}
     for i, (r, cut) in enumerate(zip(recs, cuts)):
         try:
             row = {}
+            rec = None if cut is None else read(i)
+            if cut is not None and rec is None:
+                log.warning("chunk %s: not readable here", r.key.hex()[:16])
+                return sizes, i
             for lv in levels:
-                data = r.levels[level_of(i, lv)]
-                row[lv] = len(data) if cut is None else selected_size(data, cut)
+                held = level_of(i, lv)
+                row[lv] = r.levels[held] if cut is None else selected_size(rec.levels[held], cut)
+            del rec
         except CodecError as e:
             log.warning("chunk %s: header does not read: %s", r.key.hex()[:16], e)
             return sizes, i
@@ -74,19 +83,26 @@ class Serving:
         new_request_id()
         peer = served.peer.peer_node_id or "?"
         loop = asyncio.get_running_loop()
-        # Pinned so eviction cannot take a chunk mid-served; pinning reads disk-tier chunks, off the loop.
-        recs = await asyncio.to_thread(self.store.pin, fetch.keys)
+        # Pinned so eviction cannot take a chunk until it is sent; what each is (a disk-tier chunk's
+        # header) is read off the loop, its payload only as it is about to be sent (_send).
+        recs = await asyncio.to_thread(self.store.pin_info, fetch.keys)
+        pinned = collections.Counter(r.key for r in recs if r is not None)  # the pins it still holds
+
+        def release(key: bytes) -> None:  # a chunk sent needs its pin no longer
+            if pinned.get(key):
+                pinned[key] -= 1
+                self.store.unpin([key])
         try:
             # a fetcher gone silent (no ACK, not reading) holds these pins no longer than this
             async with asyncio.timeout_at(served.give_up_at):
-                done = await self._send(served, fetch, recs, peer, loop)
+                done = await self._send(served, fetch, recs, peer, loop, release)
         except TimeoutError:
             log.warning("peer %s: req %d not served by its deadline + grace (the fetcher sends no ACK); "
                         "given up", peer, served.req)
             self.metrics.error("served_fetch_timed_out")
             return  # the connection ends the request (ERROR internal: fewer chunks than asked)
         finally:
-            self.store.unpin([r.key for r in recs if r is not None])
+            self.store.unpin(list(pinned.elements()))
         if done is None:
             return
         sent, busy, estimator, sender, t0 = done
@@ -97,7 +113,7 @@ class Serving:
         log.info("served %d chunks to %s in %.3f s (rule %s): levels %s", len(recs), peer, loop.time() - t0,
                  fetch.rule or DEFAULT_RULE, ",".join(c.level for c in sender.choices))
 
-    async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop):
+    async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop, release):
         """Send the chunks, each at the level the FETCH's rule (default: the adaptive rule)
         picks; None if some are not held or the rule is unknown."""
         rule = RULES.get(fetch.rule or DEFAULT_RULE)
@@ -118,7 +134,11 @@ class Serving:
         cuts = self._cuts(recs[:held], fetch.prefix_tokens)
         coded = [lv for lv in asked if any(lv in r.levels for r in recs[:held])]
         level_of = nearest_held(recs, coded)
-        sizes, held = coded_sizes(recs[:held], cuts, coded, level_of)
+        read = lambda i: self.store.get(recs[i].key)  # noqa: E731
+        if any(c is not None for c in cuts):  # a cut's size reads its chunk: off the loop
+            sizes, held = await asyncio.to_thread(coded_sizes, recs[:held], cuts, coded, level_of, read)
+        else:
+            sizes, held = coded_sizes(recs[:held], cuts, coded, level_of)
         missing = None
         if held < len(recs):
             r = recs[held]
@@ -147,18 +167,24 @@ class Serving:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
             rule = fixed_rule(coded[0])
             sizes = {coded[0]: sizes[coded[0]]}
-        def payload(i: int, lv: str) -> bytes | None:  # cut when chosen: a baseline's cut decodes it
+        async def payload(i: int, lv: str) -> bytes | None:  # read as it is about to go, cut when chosen
+            rec = await asyncio.to_thread(self.store.get, recs[i].key)  # pinned: held until sent
+            if rec is None or lv not in rec.levels:  # its file went bad: NOT_FOUND, never other bytes
+                log.warning("peer %s: req %d: chunk %d (%s) is no longer readable here", peer, served.req, i, lv)
+                return None
+            data = rec.levels[lv]
             if cuts[i] is None:
-                return recs[i].levels[lv]
+                return data
             try:
-                return select_layers(recs[i].levels[lv], cuts[i])
+                return select_layers(data, cuts[i])
             except CodecError as e:
                 log.warning("peer %s: req %d: chunk %d (%s) does not cut: %s", peer, served.req, i, lv, e)
                 return None
 
         done = await send_chunks(served, sizes, payload, lambda i: list(recs[i].tokens),
                                  rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
-                                 on_sent=lambda i, lv, n: self.metrics.chunks.labels(lv, "sent").inc(),
+                                 on_sent=lambda i, lv, n: (self.metrics.chunks.labels(lv, "sent").inc(),
+                                                           release(recs[i].key)),
                                  count=held, level_of=level_of)
         if done.stopped_at is not None:
             self.metrics.error("fetch_not_found")

@@ -251,7 +251,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[NODE].metrics_text(), content_type="text/plain", charset="utf-8",
+    return metrics_response(request.app[NODE])
+
+
+def metrics_response(node: Node) -> web.Response:
+    """/metrics' answer, on the Unix socket and over [api] metrics_listen alike."""
+    return web.Response(body=node.metrics_text(), content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
 
 
@@ -367,14 +372,55 @@ def make_app(node: Node) -> web.Application:
 
 
 # [api] metrics_listen: GET /metrics over TCP for a Prometheus server to scrape, read-only; the API
-# itself stays on the Unix socket.
-async def start_metrics_listener(node: Node, host: str, port: int) -> web.AppRunner:
+# itself stays on the Unix socket. A connection that sends no request for METRICS_IDLE_S (before its
+# first, or after a response) is closed, as the peer port closes one that does not complete its
+# handshake in 5 s; at most METRICS_MAX_CONNECTIONS are open at once, and one past that closes
+# the oldest with no request in progress, so idle sockets can never lock a scraper out.
+METRICS_IDLE_S = 5.0
+METRICS_MAX_CONNECTIONS = 16
+
+
+class ScrapeServer(web.Server):
+    """aiohttp's low-level server for the metrics listener: GET /metrics and nothing else, each
+    connection closed after METRICS_IDLE_S without a request, and at most `max_connections` open
+    (past it, the oldest idle one is closed; the new one itself only when every other is
+    mid-request)."""
+
+    def __init__(self, node: Node, max_connections: int = METRICS_MAX_CONNECTIONS,
+                 idle_s: float = METRICS_IDLE_S) -> None:
+        super().__init__(self._answer, keepalive_timeout=idle_s, access_log=None)
+        self.node = node
+        self.max_connections = max_connections
+        self.closed_over_cap = 0  # connections closed to keep within the cap
+        self._busy: set = set()  # connections with a request in progress
+
+    def connection_made(self, handler, transport) -> None:
+        super().connection_made(handler, transport)
+        conns = self.connections  # oldest first; this one last
+        if len(conns) > self.max_connections:
+            oldest_idle = next((c for c in conns[:-1] if c not in self._busy), handler)
+            self.closed_over_cap += 1
+            oldest_idle.force_close()
+
+    async def _answer(self, request: web.BaseRequest) -> web.StreamResponse:
+        route = BY_NAME["metrics"]
+        if request.path != route.path:
+            return web.Response(status=404, text="404: Not Found")
+        if request.method != route.method:
+            return web.Response(status=405, text="405: Method Not Allowed", headers={"Allow": route.method})
+        self._busy.add(request.protocol)
+        try:  # written here, so that it counts as in progress until the last byte is out
+            resp = metrics_response(self.node)
+            await resp.prepare(request)
+            await resp.write_eof()
+            return resp
+        finally:
+            self._busy.discard(request.protocol)
+
+
+async def start_metrics_listener(node: Node, host: str, port: int) -> web.BaseRunner:
     """Listening on host:port (port 0: a free one, in runner.addresses) until runner.cleanup()."""
-    app = web.Application()
-    app[NODE] = node
-    route = BY_NAME["metrics"]
-    app.router.add_route(route.method, route.path, metrics)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.ServerRunner(ScrapeServer(node), handle_signals=False)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

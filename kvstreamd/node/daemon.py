@@ -113,7 +113,7 @@ class Daemon:
         self.node: Node | None = None  # once the parts it works with are up
         self.stopping = False
         self._runner: web.AppRunner | None = None
-        self._metrics_runner: web.AppRunner | None = None  # [api] metrics_listen
+        self._metrics_runner: web.BaseRunner | None = None  # [api] metrics_listen
         self.metrics_address: tuple[str, int] | None = None  # where it listens (the port once bound)
         self._reaper: asyncio.Task | None = None
         self._stop = asyncio.Event()

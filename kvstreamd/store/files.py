@@ -96,6 +96,12 @@ class ChunkDir:
         with open(self.path(key), "rb") as f:
             return chunkfile.decode(f.read(), key)
 
+    def read_header(self, key: bytes) -> chunkfile.Header:
+        """The chunk's header alone (its payloads not read, so not CRC-checked). Raises
+        ChunkFileError or OSError."""
+        with open(self.path(key), "rb") as f:
+            return chunkfile.read_header(f, os.fstat(f.fileno()).st_size, key)
+
     def unlink(self, key: bytes) -> None:
         """Remove a chunk's file; a missing file is not an error. Raises OSError."""
         try:

@@ -43,7 +43,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from kvstreamd.store import chunkfile
 from kvstreamd.store.files import ChunkDir
@@ -120,6 +120,17 @@ class Usage:
     disk_errors: int  # failed chunk writes + bad or unreadable chunk files found by get
     pinned_bytes: int  # payload bytes of the chunks lasting pins hold (pin_context)
     pin_budget: int  # the most pinned_bytes may be ([store] pin_budget)
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """What a held chunk is, without its payloads: what a sender plans a FETCH with (pin_info)."""
+    key: bytes
+    start: int
+    model_id: str
+    tokens: tuple[int, ...]
+    shape: tuple[int, ...]
+    levels: Mapping[str, int]  # level name -> payload bytes
 
 
 @dataclass(slots=True)
@@ -520,6 +531,41 @@ class Store:
             if extra:
                 self.unpin(extra)
         return recs
+
+    def pin_info(self, keys: Sequence[bytes]) -> list[ChunkInfo | None]:
+        """pin() without reading payloads: each held key pinned, and what its chunk is (from its
+        memory copy, or a disk-only chunk's file header), for a caller that reads each chunk with
+        get() only when it needs it, so that a FETCH of many chunks holds one at a time. None
+        for keys not held, or whose header does not read (those are not left pinned). Unpin
+        with unpin(). Reads file headers: from an event loop, call it in a thread."""
+        with self._lock:
+            held = [k for k in keys if k in self._meta]
+            for k in held:
+                self._pins[k] += 1
+        infos: list[ChunkInfo | None] = []
+        held_set = set(held)
+        try:
+            for k in keys:
+                infos.append(self._info(k) if k in held_set else None)
+        finally:
+            got = collections.Counter(i.key for i in infos if i is not None)
+            extra = list((collections.Counter(held) - got).elements()) if len(infos) == len(keys) else held
+            if extra:
+                self.unpin(extra)
+        return infos
+
+    def _info(self, key: bytes) -> ChunkInfo | None:
+        with self._lock:
+            rec = self._mem.get(key)
+        if rec is not None:
+            levels = {name: len(p) for name, p in rec.levels.items()}
+            return ChunkInfo(rec.key, rec.start, rec.model_id, rec.tokens, rec.shape, levels)
+        try:
+            h = self._files.read_header(key)
+        except (ChunkFileError, OSError) as e:  # get() finds it so too, and quarantines it
+            log.warning("chunk %s: header does not read: %s", key.hex(), e)
+            return None
+        return ChunkInfo(h.key, h.start, h.model_id, h.tokens, h.shape, dict(h.levels))
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         """Undo pin() for these keys (once per key given); runs deferred deletes and eviction."""

@@ -622,3 +622,37 @@ def test_concurrent_put_get_pin_keep_a_consistent_index(tmp_path):
     s.close()
     s2, report = open_store(tmp_path)
     assert report.corrupt == [] and set(s2.keys()) == set(s._disk)
+
+
+def test_pin_info_pins_without_reading_payloads_and_what_it_says_matches_the_chunk(tmp_path):
+    """What a sender plans with: a disk-only chunk's sizes from its header, no memory copy
+    made; the pin keeps it from eviction until unpinned, and get() then reads it whole."""
+    s, _ = open_store(tmp_path, mem=0, disk=4 * KIB)
+    recs = make_context(n_chunks=6)
+    s.put(recs[0])
+    s.put(recs[1])
+    infos = s.pin_info([recs[0].key, b"y" * 32, recs[1].key])
+    assert infos[1] is None and s.usage().pinned == 2 and s.usage().memory_bytes == 0
+    for info, rec in ((infos[0], recs[0]), (infos[2], recs[1])):
+        assert (info.key, info.start, info.model_id, info.tokens, info.shape) == \
+               (rec.key, rec.start, rec.model_id, rec.tokens, rec.shape)
+        assert info.levels == {name: len(p) for name, p in rec.levels.items()}
+    for r in recs[2:]:
+        s.put(r)  # the disk tier evicts; the pinned two stay
+    assert same_record(s.get(recs[0].key), recs[0]) and same_record(s.get(recs[1].key), recs[1])
+    s.unpin([recs[0].key, recs[1].key])
+    assert s.usage().pinned == 0 and s.usage().disk_bytes <= 4 * KIB
+
+
+def test_a_pinned_chunk_whose_file_went_bad_reads_as_none_never_as_other_bytes(tmp_path):
+    s, _ = open_store(tmp_path, mem=0, disk=1 << 20)
+    (rec,) = make_context(n_chunks=1)
+    s.put(rec)
+    (info,) = s.pin_info([rec.key])
+    path = chunk_file(tmp_path, rec.key)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # a payload byte: the header still reads, the file's CRC does not
+    path.write_bytes(bytes(data))
+    assert info is not None and s.get(rec.key) is None and rec.key not in s
+    s.unpin([rec.key])
+    assert s.usage().pinned == 0

@@ -3,8 +3,10 @@ of the API; a bad value or a taken port stops start-up naming the key. Real sock
 in the test's event loop."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -13,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstreamd import config
 
 from kvstreamd.node import daemon
+from kvstreamd.node.api import METRICS_IDLE_S, METRICS_MAX_CONNECTIONS
 from kvstreamd.config import ConfigError
 
 
@@ -36,6 +39,47 @@ async def test_metrics_listen_serves_nothing_of_the_api(inprocess):
     for method, path in (("GET", "/v1/status"), ("GET", "/v1/contexts"), ("POST", "/v1/fetch"),
                          ("DELETE", "/v1/contexts/" + "00" * 32), ("GET", "/healthz")):
         assert (await get(a, method, path))[0] in (404, 405), (method, path)
+
+
+async def idle_sockets(d, n: int) -> list[asyncio.Task]:
+    """n TCP connections to the metrics port that send nothing; each task ends at the EOF."""
+    host, port = d.metrics_address
+    tasks = []
+    for _ in range(n):
+        reader, writer = await asyncio.open_connection(host, port)
+        tasks.append(asyncio.ensure_future(reader.read()))
+        tasks[-1].add_done_callback(lambda _, w=writer: w.close())
+    return tasks
+
+
+async def test_metrics_listen_closes_a_connection_that_sends_nothing_for_the_idle_timeout(inprocess):
+    (a,) = await inprocess(["a"], peered=False, api={"metrics_listen": "127.0.0.1:0"})
+    t0 = time.monotonic()
+    tasks = await idle_sockets(a, METRICS_MAX_CONNECTIONS)
+    try:
+        await asyncio.wait(tasks, timeout=METRICS_IDLE_S + 3)
+        assert all(t.done() for t in tasks), f"{sum(not t.done() for t in tasks)} idle sockets still open"
+        assert time.monotonic() - t0 >= METRICS_IDLE_S - 0.5  # not before the timeout
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def test_past_the_connection_cap_the_oldest_idle_sockets_are_closed_and_a_scrape_still_gets_in(inprocess):
+    (a,) = await inprocess(["a"], peered=False, api={"metrics_listen": "127.0.0.1:0"})
+    tasks = await idle_sockets(a, 200)
+    try:
+        await asyncio.sleep(0.5)
+        closed = [t.done() for t in tasks]
+        assert closed == [True] * (200 - METRICS_MAX_CONNECTIONS) + [False] * METRICS_MAX_CONNECTIONS, \
+            f"{sum(closed)} of 200 closed"
+        t0 = time.monotonic()
+        status, text = await asyncio.wait_for(get(a, "GET", "/metrics"), 2)  # the cap is held by idle sockets
+        assert status == 200 and "kvstreamd_store_bytes" in text
+        print(f"scrape with the cap held by idle sockets: {(time.monotonic() - t0) * 1000:.0f} ms")
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def test_without_metrics_listen_there_is_no_tcp_listener(inprocess):
