@@ -345,7 +345,7 @@ class FetchJob:
                 changed.notify_all()
 
         try:
-            while not shares.done():
+            while not shares.done() and peer not in shares.failed:
                 share = shares.take(peer)
                 left = self.peers_until - time.monotonic()
                 if left <= 0:
@@ -363,6 +363,8 @@ class FetchJob:
                             return
                     continue
                 ok = await self._stream(peer, share, shares, ready, tell, busy, left)
+                if ok and self._texting(peer):
+                    ok = False  # it answered TEXT for chunks others have: not asked more in this fetch
                 if not ok:
                     shares.fail(peer)
                 await tell()  # what it did not send may be another's to take now
@@ -418,7 +420,7 @@ class FetchJob:
                     if shares.arrived(j, peer):
                         self.metrics.chunks.labels(item.level, "received").inc()
                         if item.kind == "kv":
-                            self._kv_came(j, peer)
+                            self._kv_came(j, peer, shares)
                         await self._upload(item)
                         ready[j] = item
                     await tell()
@@ -427,7 +429,7 @@ class FetchJob:
             if stream.end is not None:
                 if stream.end.deadline_missed:
                     self.result.deadline_missed = True
-                if not any(peer in who for who in self._texted.values()) and peer not in self._distrusted:
+                if not self._texting(peer):
                     self.peers.directory.served(peer)
             shares.give_back(peer)
             return True
@@ -485,13 +487,19 @@ class FetchJob:
         log.info("peer %s answered chunk %d as TEXT; asking another holder for its KV", peer, j)
         return True
 
-    def _kv_came(self, j: int, peer: str) -> None:
-        """Chunk j came as KV from `peer`: each holder that answered it TEXT is trusted less,
-        left out of lookups for a cooldown as a stalled peer is (once per fetch)."""
+    def _texting(self, peer: str) -> bool:
+        """`peer` answered TEXT in this fetch for a chunk another holder was asked for instead."""
+        return peer in self._distrusted or any(peer in who for who in self._texted.values())
+
+    def _kv_came(self, j: int, peer: str, shares: Shares) -> None:
+        """Chunk j came as KV from `peer`: each holder that answered it TEXT is trusted less:
+        not asked again in this fetch, and left out of lookups for a cooldown as a stalled peer
+        is."""
         for q in sorted(self._texted.pop(j, ())):
             if q in self._distrusted:
                 continue
             self._distrusted.add(q)
+            shares.fail(q)
             cooldown = self.peers.directory.cool_down(q, self.options.stall_s, "text_for_kv")
             why = (f"peer {q} answered chunk {j} as TEXT, which {peer} sent as KV in time; "
                    f"it is avoided for {cooldown:g} s")
