@@ -33,7 +33,6 @@ class Peer(Protocol):
 
     peer_node_id: str | None
     peer_caps: dict | None
-    last_received: float  # loop time the latest bytes arrived from the peer
     reading_paused: bool  # this side stopped reading (its receive buffer is full)
 
     async def cancel(self, req: int, error: "FetchError | None" = None) -> None: ...
@@ -81,9 +80,10 @@ class FetchInterrupted(FetchError, ConnectionClosedError):
 
 
 class FetchStalled(FetchCancelled):
-    """The peer sent nothing at all (no chunk of this fetch, no byte on the connection) for
-    the fetch's `stall_s` while it was awaited: stopped, partitioned, or ignoring the FETCH.
-    The fetch was cancelled on the wire."""
+    """No whole chunk of this fetch came for the fetch's `stall_s` while it was awaited: the
+    peer stopped, is partitioned, ignores the FETCH, or only trickles bytes or chatters (PINGs
+    and other requests' frames are no progress of this one). The fetch was cancelled on the
+    wire."""
 
 
 class FetchTimedOut(FetchCancelled):
@@ -97,8 +97,9 @@ class FetchCall:
     PeerConnection.fetch(), which feeds it with deliver() and finish().
 
     Whatever the peer does, a call with limits never waits past them: with `stall_s`, once
-    the peer has sent nothing at all (no chunk of this fetch, no byte on the connection) for
-    that long while the call is awaited, it raises FetchStalled; with `limit_s`, once that
+    no whole chunk (CHUNK or TEXT) of this fetch has come for that long, counted from the
+    FETCH or the latest chunk, while the call is awaited, it raises FetchStalled (progress is
+    chunks, not bytes: a peer that trickles a frame or only PINGs has stalled); with `limit_s`, once that
     many seconds have passed since the FETCH, FetchTimedOut. Either sends CANCEL first, so
     the peer stops sending and frees what it holds for the request. Time this side spends
     not reading (its receive buffer full) never counts as the peer's silence."""
@@ -136,13 +137,14 @@ class FetchCall:
             if self.peer.reading_paused:  # our own backlog, not the peer's silence
                 self._moved = now
             wait = []
-            if self.stall_s is not None:  # first: a silent peer is named so even when time is up too
-                heard = max(self._moved, self.peer.last_received)
-                if now - heard >= self.stall_s:
+            if self.stall_s is not None:  # first: a stalled peer is named so even when time is up too
+                if now - self._moved >= self.stall_s:
                     await self._give_up(FetchStalled(
-                        STALLED, f"the peer sent nothing for {now - heard:.2f} s (stall_s {self.stall_s:g})", self.req))
+                        STALLED, f"the peer sent nothing of this fetch (no whole chunk) for {now - self._moved:.2f} s "
+                        f"(stall_s {self.stall_s:g})",
+                        self.req))
                     break
-                wait.append(heard + self.stall_s - now)
+                wait.append(self._moved + self.stall_s - now)
             if self.until is not None:
                 if now >= self.until:
                     await self._give_up(FetchTimedOut(TIMED_OUT, "no END within the fetch's time limit", self.req))

@@ -110,12 +110,20 @@ class Holders:
             self._held[j].discard(peer)
 
 
+# A peer that stalled a fetch (or is a ghost, or answered TEXT for what it advertised) is left
+# out of lookups for COOLDOWN_STALLS * stall_s, doubled for each in a row (a fetch it completes
+# resets that), at most COOLDOWN_MAX_S.
+COOLDOWN_STALLS = 5
+COOLDOWN_MAX_S = 300.0
+
+
 class Directory:
     """The backend-independent part: a lookup's shape, and peers cooling down after a stall."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._cool_until: dict[str, float] = {}  # peer -> clock() until which lookups skip it
+        self._cool_why: dict[str, str] = {}  # peer -> why it cools down
         self._stalls: dict[str, int] = {}  # peer -> stalls in a row (a fetch it completes resets it)
 
     # -- what a backend provides -----------------------------------------------------------------
@@ -158,14 +166,23 @@ class Directory:
 
     # -- peers that stalled a fetch ------------------------------------------------------------
 
-    def stalled(self, peer: str, first_s: float, max_s: float) -> float:
+    def stalled(self, peer: str, first_s: float, max_s: float, why: str = "stalled") -> float:
         """`peer` stopped answering a fetch: lookups skip it for a cooldown of `first_s`,
         doubled for each stall in a row before it, at most `max_s`. Its keys are kept, so it
         is found again once the cooldown is over. Returns the cooldown in seconds."""
         n = self._stalls[peer] = self._stalls.get(peer, 0) + 1
         cooldown = min(first_s * 2 ** (n - 1), max_s)
         self._cool_until[peer] = self._clock() + cooldown
+        self._cool_why[peer] = why
         return cooldown
+
+    def cool_down(self, peer: str, stall_s: float, why: str = "stalled") -> float:
+        """stalled() at the cooldown a fetch's `stall_s` sets (COOLDOWN_STALLS, COOLDOWN_MAX_S)."""
+        return self.stalled(peer, COOLDOWN_STALLS * stall_s, COOLDOWN_MAX_S, why)
+
+    def cooling_why(self, peer: str) -> str | None:
+        """Why `peer` cools down ("stalled", "ghost", "text_for_kv"); None when it does not."""
+        return self._cool_why.get(peer) if self.cooling(peer) is not None else None
 
     def served(self, peer: str) -> None:
         """`peer` completed a fetch: its next stall starts the cooldown from `first_s` again."""
@@ -179,11 +196,13 @@ class Directory:
         left = until - self._clock()
         if left <= 0:
             del self._cool_until[peer]
+            self._cool_why.pop(peer, None)
             return None
         return left
 
     def _forget_stalls(self, peer: str) -> None:
         self._cool_until.pop(peer, None)
+        self._cool_why.pop(peer, None)
         self._stalls.pop(peer, None)
 
 

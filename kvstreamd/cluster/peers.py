@@ -14,6 +14,7 @@ from typing import Callable
 
 from transport import aio
 from transport.bandwidth import PeerBandwidth
+from transport.messages import HANDSHAKE_TIMEOUT
 from codec.profile import Profile
 
 from kvstreamd.cluster.serving import Serving
@@ -184,26 +185,46 @@ class PeerManager:
                                      ssl=self.tls.client if self.tls else None,
                                      write_stall_s=self.cfg.write_stall_s)
 
-    async def connect_to(self, peer: str, address: str | None = None) -> aio.PeerConnection | None:
+    async def connect_to(self, peer: str, address: str | None = None, wait_s: float | None = None,
+                         stall_s: float | None = None) -> aio.PeerConnection | None:
         """A ready connection to `peer`: one there is, or, where the directory gave its address
         ("host:port"), one dialled now (shared by the fetches that wait for it meanwhile) and
-        closed again once unused for idle_s. None when it cannot be reached."""
+        closed again once unused for idle_s. None when it cannot be reached, or not within
+        `wait_s` (the caller's time left; the dial goes on for the others). With `stall_s`, a
+        dial that has no handshake within it names a ghost: a holder the directory names whose
+        address does not answer as a peer; it cools down as a stalled peer does."""
         conn = self.connection(peer)
         if conn is not None or address is None:
             return conn
         dial = self._dialling.get(peer)
         if dial is None:
-            dial = self._dialling[peer] = asyncio.ensure_future(self._dial_for_fetch(peer, address))
+            dial = self._dialling[peer] = asyncio.ensure_future(self._dial_for_fetch(peer, address, stall_s))
             dial.add_done_callback(lambda _: self._dialling.pop(peer, None))
-        return await asyncio.shield(dial)
+        try:
+            async with asyncio.timeout(wait_s):
+                return await asyncio.shield(dial)
+        except TimeoutError:
+            return None
 
-    async def _dial_for_fetch(self, peer: str, address: str) -> aio.PeerConnection | None:
+    async def _dial_for_fetch(self, peer: str, address: str, stall_s: float | None = None) -> aio.PeerConnection | None:
         state = self.dialled.setdefault(peer, PeerState(address=address, node_id=peer))
         state.address, state.attempts = address, state.attempts + 1
+        within = self.cfg.handshake_timeout_s if stall_s is None else min(stall_s, self.cfg.handshake_timeout_s)
         try:
             host, port = parse_hostport(address, f"the directory's address of {peer}")
-            conn = await self._connect(host, port)
-        except (OSError, ConfigError, aio.TransportError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(within):
+                conn = await self._connect(host, port)
+        except (TimeoutError, aio.HandshakeError) as e:
+            state.last_error = f"{type(e).__name__}: {e}" if str(e) else f"no handshake within {within:g} s"
+            if stall_s is not None and (isinstance(e, TimeoutError) or e.code == HANDSHAKE_TIMEOUT):
+                cooldown = self.directory.cool_down(peer, stall_s, "ghost")
+                log.warning("peer %s at %s: no handshake within %g s (a holder the directory names that does "
+                            "not answer as a peer); it is avoided for %g s", peer, address, within, cooldown)
+                self.metrics.error("peer_ghost")
+            else:
+                log.info("peer %s at %s: cannot connect (%s)", peer, address, state.last_error)
+            return None
+        except (OSError, ConfigError, aio.TransportError) as e:
             state.last_error = f"{type(e).__name__}: {e}"
             log.info("peer %s at %s: cannot connect (%s)", peer, address, state.last_error)
             return None
@@ -316,6 +337,8 @@ class PeerManager:
                 "rtt_ms": round(conn.rtt * 1000, 3) if conn is not None and conn.rtt else None,
                 "last_error": st.last_error if st else None,
                 "next_retry_s": round(st.next_retry - time.time(), 2) if st and st.next_retry else None,
-                # seconds it is still left out of lookups after it stalled a fetch (node/fetch.py)
-                "cooldown_s": round(c, 2) if nid and (c := self.directory.cooling(nid)) else None}
+                # seconds it is still left out of lookups after it stalled a fetch (node/fetch.py),
+                # and why: "stalled", "ghost" (no handshake), "text_for_kv" (TEXT for what it advertised)
+                "cooldown_s": round(c, 2) if nid and (c := self.directory.cooling(nid)) else None,
+                "cooldown_why": self.directory.cooling_why(nid) if nid and c else None}
 

@@ -4,18 +4,27 @@ holders, each peer's share in proportion to its measured link, interleaved so th
 about in order (the fill stage takes them in order); a peer that fails or gives up hands its
 outstanding chunks back to the others; a peer with nothing left to ask for takes the second
 half of the outstanding chunks of the peer furthest behind (the last chunks come from whichever
-holder sends them first: a chunk is used once, the first time it arrives). Holders are
+holder sends them first: a chunk is used once, the first time it arrives). A peer that has
+delivered no chunk for PATIENCE times the stealer's own time per chunk (a holder that never
+answers, a dial that hangs) is silent: an idle holder takes all of its outstanding chunks that no
+other live request has, its last one too. A chunk a peer answered in a way not to be used (TEXT,
+where another holder has its KV) is asked of another holder (retry). Holders are
 preferred by level too: one holding a chunk at the level the fetch's deadline needs comes before
 one holding only cheaper levels (on time, at a lower quality), and that before one holding only
 better levels (more bytes than the deadline allows)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from codec import catalog
 
 MAX_SOURCES = 4  # holders one fetch pulls from at once
 SAFETY = 0.8  # of the deadline's time a needed level's guessed bytes may fill
+# A peer is silent to a stealer once it delivered no chunk for PATIENCE x the stealer's seconds
+# per chunk in this fetch, and at least PATIENCE_MIN_S (scheduling noise is no silence).
+PATIENCE = 3.0
+PATIENCE_MIN_S = 0.05
 
 
 def needed_level(ladder: Sequence[str], fp16_bytes: float, rate: float | None, seconds: float) -> str:
@@ -44,8 +53,13 @@ class Shares:
     def __init__(self, chunks: Iterable[int], holders: Callable[[int], list[str]],
                  rate: Callable[[str], float | None], max_sources: int = MAX_SOURCES,
                  near: Callable[[str], bool] = lambda peer: True,
-                 tier: Callable[[str, int], int] = lambda peer, i: 0) -> None:
+                 tier: Callable[[str, int], int] = lambda peer, i: 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.chunks = list(chunks)
+        self._clock = clock
+        self._began: dict[str, float] = {}  # peer -> clock() of its first take
+        self._since: dict[str, float] = {}  # peer -> clock() of its latest take or chunk
+        self._sent: dict[str, int] = {}  # peer -> chunks it delivered first
         self._holders = holders  # asked anew each time: a holder that said NOT_FOUND drops out
         self._arrived: set[int] = set()
         self._todo: list[int] = []  # chunks given back, nobody asking for them
@@ -97,6 +111,10 @@ class Shares:
             share = self._given_back(peer) or self._steal(peer)
         share = [i for i in share if i not in self._arrived]
         self._asked[peer] = share
+        if share:
+            now = self._clock()
+            self._began.setdefault(peer, now)
+            self._since[peer] = now
         return share
 
     def _given_back(self, peer: str) -> list[int]:
@@ -109,6 +127,9 @@ class Shares:
         return part
 
     def _steal(self, peer: str) -> list[int]:
+        silent = self._silent(peer)
+        if silent:
+            return silent
         behind = [(len(c), p, c) for p in self._asked if p != peer and p not in self.failed
                   and (c := [i for i in self._pending(p) if peer in self._holders(i)])]
         if not behind:
@@ -118,17 +139,65 @@ class Shares:
             return []  # its last chunk: no sooner from a link no faster
         return chunks[n // 2:]
 
+    def _patience(self, peer: str) -> float | None:
+        """Seconds without a chunk after which another peer is silent to `peer`: PATIENCE x
+        its own seconds per chunk so far; None before it delivered one (nothing to judge by)."""
+        n = self._sent.get(peer, 0)
+        if not n:
+            return None
+        return max(PATIENCE_MIN_S, PATIENCE * (self._since[peer] - self._began[peer]) / n)
+
+    def _live_others(self, peer: str) -> list[str]:
+        return [p for p in self._asked if p != peer and p not in self.failed and self._pending(p)]
+
+    def _silent(self, peer: str) -> list[int]:
+        """The chunks `peer` holds of the requests silent to it that no other live request has."""
+        patience = self._patience(peer)
+        if patience is None:
+            return []
+        now = self._clock()
+        others = self._live_others(peer)
+        silent = {p for p in others if now - self._since[p] >= patience}
+        covered = {i for p in others if p not in silent for i in self._pending(p)}
+        return sorted({i for p in silent for i in self._pending(p)
+                       if i not in covered and peer in self._holders(i)})
+
+    def recheck_in(self, peer: str) -> float | None:
+        """Seconds until a request `peer` could take chunks from turns silent (None: none will),
+        for a peer with nothing to ask for to look again then."""
+        patience = self._patience(peer)
+        if patience is None or peer in self.failed:
+            return None
+        now = self._clock()  # (one silent already has been taken from, or is covered by a live request)
+        due = [d for p in self._live_others(peer) if (d := self._since[p] + patience - now) > 0
+               and any(peer in self._holders(i) for i in self._pending(p))]
+        return min(due) if due else None
+
     def _pending(self, peer: str) -> list[int]:
         return [i for i in self._asked.get(peer, ()) if i not in self._arrived]
 
     # -- what happened ------------------------------------------------------------------------
 
-    def arrived(self, i: int) -> bool:
-        """Chunk i came in; False if it had already (a duplicate, to be dropped)."""
+    def arrived(self, i: int, peer: str | None = None) -> bool:
+        """Chunk i came in (from `peer`); False if it had already (a duplicate, to be dropped)."""
+        if peer is not None and peer in self._since:
+            self._since[peer] = self._clock()  # moving, duplicate or not
         if i in self._arrived:
             return False
         self._arrived.add(i)
+        if peer is not None:
+            self._sent[peer] = self._sent.get(peer, 0) + 1
         return True
+
+    def retry(self, peer: str, i: int) -> None:
+        """`peer` answered chunk i in a way not to be used (TEXT, where another holder has its
+        KV): it no longer counts as asked for i, and i goes to whoever takes it (the caller has
+        taken `peer` off i's holders)."""
+        if peer in self._asked:
+            self._asked[peer] = [j for j in self._asked[peer] if j != i]
+        others = {j for p in self._asked if p not in self.failed for j in self._pending(p)}
+        if i not in self._arrived and i not in others:
+            self._todo = sorted(set(self._todo) | {i})
 
     def redundant(self, peer: str) -> bool:
         """Everything `peer`'s request still has to send has arrived from others: cancel it."""

@@ -1,17 +1,25 @@
 """One local fetch: find the longest prefix of a prompt (local store first, then peers), then
 receive -> decode -> fill as three asyncio stages joined by bounded queues, so that while
 chunk i decodes (in the codec process pool), chunk i+1 arrives and chunk i-1 is copied into
-the client's shared-memory buffer. Each chunk that lands becomes an event for the client: KV
-ready at these token positions, or TEXT the model must recompute. A peer that fails mid-stream
-costs only its remaining chunks: they come from another peer holding them, or as TEXT.
+the client's shared-memory buffer. Chunks from peers go to decode as they arrive, in any order
+(a chunk held up at one peer holds up no other's decode); the fill stage hands them to the
+client in order. Each chunk that lands becomes an event for the client: KV ready at these
+token positions, or TEXT the model must recompute. A peer that fails mid-stream costs only its
+remaining chunks: they come from another peer holding them, or as TEXT.
 
 Whatever the peers do, a fetch ends within its deadline plus grace_s(deadline): peers are
 waited for until the deadline plus half the grace, the other half is for what was received to
-decode and fill. A peer that sends nothing for `stall_s` while it is waited for has stalled:
-its FETCH is cancelled on the wire, its chunks come from another holder (while time is left)
-or as TEXT, and the directory leaves it out of lookups for a cooldown.
+decode and fill. A peer that delivers no whole chunk for `stall_s` while it is waited for has
+stalled (progress is chunks, not bytes: PINGs or a trickled frame do not count): its FETCH is
+cancelled on the wire, its chunks come from another holder (while time is left) or as TEXT,
+and the directory leaves it out of lookups for a cooldown. Before that, a holder with nothing
+left to send takes the chunks of one that has gone silent (shares.py), and a holder dialled
+for the fetch is waited for only within the fetch's time (one with no handshake within stall_s
+is a ghost and cools down too, cluster/peers.py). A holder that answers TEXT for a chunk another
+holder has, while the deadline is ahead, has it asked of that other for KV; if that one sends
+KV, the first cools down (it advertised what it would not send).
 
-The file is long (~570 lines) because plan, the three stages and the hand-off of a stalled
+The file is long (~650 lines) because plan, the three stages and the hand-off of a stalled
 holder's chunks share one FetchJob's state; each stage reads the same queues and counters."""
 from __future__ import annotations
 
@@ -47,12 +55,19 @@ log = logging.getLogger("kvstreamd.pipeline")
 
 QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
 DECODE_DEPTH = 2  # chunks decoding at once
-# A peer that stalled is left out of lookups for COOLDOWN_STALLS * stall_s, doubled for each
-# stall in a row (a fetch it completes resets that), at most COOLDOWN_MAX_S.
-COOLDOWN_STALLS = 5
-COOLDOWN_MAX_S = 300.0
 
 grace_s = aio.grace_s  # a fetch ends within its deadline + max(1 s, 10% of it), whatever its peers do
+
+
+def _ranges(chunks: list[int]) -> str:
+    """[3, 4, 5, 8] -> "3..5, 8"."""
+    runs: list[list[int]] = []
+    for i in chunks:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}..{b}" if b > a else str(a) for a, b in runs)
 
 
 @dataclass
@@ -176,6 +191,9 @@ class FetchJob:
         # bitstream it arrived as, so that this node serves it onward (node/fetches.py stores them)
         self.arrived: list[tuple[int, str, bytes]] = []
         self._t0 = options.arrived
+        self._texted: dict[int, set[str]] = {}  # chunk -> peers that answered it TEXT, asked elsewhere for KV
+        self._distrusted: set[str] = set()  # peers cooled down in this fetch for TEXT another sent as KV
+        self._quiet: set[str] = set()  # peers whose FETCH is out and has delivered nothing yet
 
     def _remaining_ms(self) -> int:
         return int(self.options.deadline_ms - (time.monotonic() - self._t0) * 1000)
@@ -230,14 +248,16 @@ class FetchJob:
 
     async def _receive_from_peers(self, out: asyncio.Queue) -> float:
         """Chunks [local, found) from every peer holding them at once (shares.py says who sends
-        which), handed on in order; those no peer sent come as TEXT. Where a peer failed and
-        left chunks no other holder of the plan has, the directory is asked once more (a holder
-        may have got them since). Returns the seconds in which some peer was streaming."""
+        which), handed on to decode as they come (the fill stage puts them back in order);
+        those no peer sent come as TEXT. Where a peer failed and left chunks no other holder of
+        the plan has, the directory is asked once more (a holder may have got them since).
+        Returns the seconds in which some peer was streaming."""
         p = self.plan
         ready: dict[int, _Item] = {}
         busy = _Busy()
         failed: set[str] = set()
-        nxt, chunks = p.local, list(range(p.local, p.found))
+        chunks = list(range(p.local, p.found))
+        handed: set[int] = set()
 
         def holders(i: int) -> list[str]:
             return [q for q in p.holders.holders(i) if q not in failed]
@@ -246,7 +266,7 @@ class FetchJob:
             needed = self._needed_level(chunks, {q for i in chunks for q in holders(i)})
             shares = Shares(chunks, holders, self._rate, near=self._near,
                             tier=lambda q, i: level_tier(p.holders.levels_of(q, i), needed, self.levels))
-            nxt = await self._round(shares, ready, out, nxt, busy)
+            await self._round(shares, ready, out, handed, busy)
             chunks = shares.missing()
             if not chunks or not shares.failed or time.monotonic() >= self.peers_until:
                 break
@@ -255,40 +275,51 @@ class FetchJob:
             if not any(q not in failed for i in chunks for q in fresh.holders(i)):
                 break
             p.holders = fresh
+        missing = [j for j in range(p.local, p.found) if j not in handed]
         late = None  # why the chunks left come as TEXT: the time for peers ran out
-        if nxt < p.found and time.monotonic() >= self.peers_until:
+        if missing and time.monotonic() >= self.peers_until:
             ms = self.options.deadline_ms
             late = f"not received within the deadline ({ms} ms) + {grace_s(ms) / 2:g} s"
-            self.result.errors.append(f"chunks {nxt}..{p.found - 1} {late}: recompute them")
+            self.result.errors.append(f"chunks {_ranges(missing)} {late}: recompute them")
             self.result.deadline_missed = True
-        for j in range(nxt, p.found):
+        for j in missing:
             await out.put(ready.pop(j, None) or _Item(j, "text", TEXT, "fallback", error=late))
         return busy.total
 
-    async def _round(self, shares: Shares, ready: dict[int, _Item], out: asyncio.Queue, nxt: int, busy: _Busy) -> int:
-        """Stream from every source of `shares` at once, handing chunks on in order from `nxt`
-        as they come; returns the first chunk not handed on."""
+    async def _round(self, shares: Shares, ready: dict[int, _Item], out: asyncio.Queue, handed: set[int],
+                     busy: _Busy) -> None:
+        """Stream from every source of `shares` at once, handing each chunk on as it comes (a
+        chunk held up at one peer holds up no other's decode); `handed` gains those handed on."""
         p = self.plan
         changed = asyncio.Condition()
         streams = [asyncio.ensure_future(self._from_peer(peer, shares, ready, changed, busy))
                    for peer in shares.sources]
         try:
-            while nxt < p.found:
-                while nxt in ready:
-                    await out.put(ready.pop(nxt))
-                    nxt += 1
-                if nxt >= p.found or all(t.done() for t in streams):
+            while len(handed) < p.found - p.local:
+                for j in sorted(ready):
+                    handed.add(j)
+                    await out.put(ready.pop(j))
+                if len(handed) >= p.found - p.local or all(t.done() for t in streams):
                     break
                 async with changed:
-                    await changed.wait_for(lambda: nxt in ready or all(t.done() for t in streams))
+                    await changed.wait_for(lambda: ready or all(t.done() for t in streams))
+            # Every chunk is in. A request that has delivered nothing yet gets until its stall
+            # verdict (a chunk: it was only slow, and stops as redundant; none for stall_s: it
+            # stalled and cools down), so that a silent holder is named, and not asked again
+            # next time, though others sent its chunks. The client has every chunk meanwhile.
+            quiet = [t for peer, t in zip(shares.sources, streams) if not t.done() and peer in self._quiet]
+            if quiet:
+                await asyncio.wait(quiet, timeout=max(self.peers_until - time.monotonic(), 0))
         finally:
             for t in streams:
                 t.cancel()
             done = await asyncio.gather(*streams, return_exceptions=True)
+        for j in sorted(ready):  # came as the last stream ended
+            handed.add(j)
+            await out.put(ready.pop(j))
         for e in done:
             if isinstance(e, Exception):
                 raise e
-        return nxt
 
     def _near(self, peer: str) -> bool:
         """`peer` is in this node's zone (or this node has none)."""
@@ -297,11 +328,9 @@ class FetchJob:
 
     def _needed_level(self, chunks: list[int], holders: set[str]) -> str:
         """The level the deadline left needs for these chunks, over the holders' links together."""
-        prof = self.coder.profile_for(self.options.model_id)
-        token_bytes = prof.layers * 2 * prof.heads * prof.head_dim * 2  # fp16 K and V of one token
-        fp16 = sum(self.plan.bounds[i][1] - self.plan.bounds[i][0] for i in chunks) * token_bytes
         rates = [r for q in holders if (r := self._rate(q))]
-        return needed_level(self.levels, fp16, sum(rates) if rates else None, self._remaining_ms() / 1000)
+        return needed_level(self.levels, self._fp16_bytes(chunks), sum(rates) if rates else None,
+                            self._remaining_ms() / 1000)
 
     def _rate(self, peer: str) -> float | None:
         bw = self.peers.bandwidth
@@ -316,7 +345,7 @@ class FetchJob:
                 changed.notify_all()
 
         try:
-            while not shares.done():
+            while not shares.done() and peer not in shares.failed:
                 share = shares.take(peer)
                 left = self.peers_until - time.monotonic()
                 if left <= 0:
@@ -325,13 +354,17 @@ class FetchJob:
                 if not share:
                     if not shares.waiting():
                         return
+                    again = shares.recheck_in(peer)  # when a request it could take from turns silent
                     try:
                         async with changed:  # until a chunk arrives or one is handed back
-                            await asyncio.wait_for(changed.wait(), left)
+                            await asyncio.wait_for(changed.wait(), left if again is None else min(left, again + 0.001))
                     except TimeoutError:
-                        return
+                        if again is None or again >= left:
+                            return
                     continue
                 ok = await self._stream(peer, share, shares, ready, tell, busy, left)
+                if ok and self._texting(peer):
+                    ok = False  # it answered TEXT for chunks others have: not asked more in this fetch
                 if not ok:
                     shares.fail(peer)
                 await tell()  # what it did not send may be another's to take now
@@ -344,20 +377,26 @@ class FetchJob:
                       busy: _Busy, left: float) -> bool:
         """One FETCH of chunks `share` from `peer`; False when the peer is not to be asked again."""
         p = self.plan
-        conn = await self.peers.connect_to(peer, p.holders.addresses.get(peer))
+        # dialled within the time left (a holder that never answers holds nothing up: the
+        # others take its chunks meanwhile, shares.py), a ghost cooling down (cluster/peers.py)
+        conn = await self.peers.connect_to(peer, p.holders.addresses.get(peer), wait_s=left,
+                                           stall_s=self.options.stall_s)
         if conn is None:
             return False
         prof = self.coder.profile_for(self.options.model_id)
+        left = self.peers_until - time.monotonic()
         stream = conn.fetch([p.keys[j] for j in share], max(self._remaining_ms(), 1), self.levels + [TEXT],
                             decode_mbps=self.coder.rate(gpu=self.stages is not None),
                             recompute_tps=self.options.recompute_tokens_per_s,
-                            stall_s=self.options.stall_s, limit_s=left, prefix_tokens=self._prefix_tokens,
-                            rule=self.options.rule)
+                            stall_s=self._stall_s(peer, share), limit_s=max(left, 0.001),
+                            prefix_tokens=self._prefix_tokens, rule=self.options.rule)
         nbytes, sent = 0, 0  # positions of `share` received
         at = lambda: share[min(sent, len(share) - 1)]  # noqa: E731  the chunk it was to send next
+        self._quiet.add(peer)
         try:
             with busy:
                 async for msg in stream:
+                    self._quiet.discard(peer)
                     j, sent = share[msg.i], msg.i + 1
                     if hasattr(msg, "payload"):
                         nbytes += len(msg.payload)
@@ -373,8 +412,15 @@ class FetchJob:
                         item = _Item(j, "kv", msg.level, peer, msg.payload, time.monotonic(), nbytes=len(msg.payload))
                     else:
                         item = _Item(j, "text", TEXT, peer, arrived=time.monotonic(), nbytes=text_wire_bytes(msg.tokens, msg.req, msg.i))
-                    if shares.arrived(j):
+                        if self._ask_elsewhere(peer, j, shares):
+                            await tell()
+                            if shares.redundant(peer):
+                                break
+                            continue
+                    if shares.arrived(j, peer):
                         self.metrics.chunks.labels(item.level, "received").inc()
+                        if item.kind == "kv":
+                            self._kv_came(j, peer, shares)
                         await self._upload(item)
                         ready[j] = item
                     await tell()
@@ -383,11 +429,12 @@ class FetchJob:
             if stream.end is not None:
                 if stream.end.deadline_missed:
                     self.result.deadline_missed = True
-                self.peers.directory.served(peer)
+                if not self._texting(peer):
+                    self.peers.directory.served(peer)
             shares.give_back(peer)
             return True
         except aio.FetchStalled as e:
-            cooldown = self.peers.directory.stalled(peer, COOLDOWN_STALLS * self.options.stall_s, COOLDOWN_MAX_S)
+            cooldown = self.peers.directory.cool_down(peer, self.options.stall_s)
             why = f"peer {peer} stalled at chunk {at()}: {e.msg}; it is avoided for {cooldown:g} s"
             log.warning("%s; the rest comes from another peer or as text", why)
             self.result.errors.append(why)
@@ -421,9 +468,61 @@ class FetchJob:
             self.metrics.error("chunk_bad_crc" if e.code == BAD_CRC else "peer_fetch_failed")
             return False
         finally:
+            self._quiet.discard(peer)
             await stream.cancel()  # a no-op once it ended; else the peer stops too
             self.result.bytes += nbytes
             self.metrics.peer_bytes.labels(peer, "in").inc(nbytes)
+
+    def _ask_elsewhere(self, peer: str, j: int, shares: Shares) -> bool:
+        """`peer` answered chunk j as TEXT. While the deadline is ahead and another live holder
+        has j (at a level of this fetch: the plan's holders are those), j is asked of it for KV
+        instead (True); else the TEXT is used (False). A holder that then sends KV for it shows
+        `peer` advertised what it would not send (_kv_came)."""
+        p = self.plan
+        if self._remaining_ms() <= 0 or not any(q != peer and q not in shares.failed for q in p.holders.holders(j)):
+            return False
+        self._texted.setdefault(j, set()).add(peer)
+        p.holders.drop(peer, j)
+        shares.retry(peer, j)
+        log.info("peer %s answered chunk %d as TEXT; asking another holder for its KV", peer, j)
+        return True
+
+    def _texting(self, peer: str) -> bool:
+        """`peer` answered TEXT in this fetch for a chunk another holder was asked for instead."""
+        return peer in self._distrusted or any(peer in who for who in self._texted.values())
+
+    def _kv_came(self, j: int, peer: str, shares: Shares) -> None:
+        """Chunk j came as KV from `peer`: each holder that answered it TEXT is trusted less:
+        not asked again in this fetch, and left out of lookups for a cooldown as a stalled peer
+        is."""
+        for q in sorted(self._texted.pop(j, ())):
+            if q in self._distrusted:
+                continue
+            self._distrusted.add(q)
+            shares.fail(q)
+            cooldown = self.peers.directory.cool_down(q, self.options.stall_s, "text_for_kv")
+            why = (f"peer {q} answered chunk {j} as TEXT, which {peer} sent as KV in time; "
+                   f"it is avoided for {cooldown:g} s")
+            log.warning(why)
+            self.result.errors.append(why)
+            self.metrics.error("peer_text_for_kv")
+
+    def _stall_s(self, peer: str, share: list[int]) -> float:
+        """How long `peer` may go without delivering a whole chunk of `share`: [fetch] stall_s,
+        or, over a link measured too slow to bring the largest of them in that time (at the best
+        level's nominal ratio), twice that chunk's time on it."""
+        rate = self._rate(peer)
+        ratios = [r for lv in self.levels if lv in catalog.SCHEMES and (r := catalog.SCHEMES[lv].ratio)]
+        if not rate or not ratios or not share:
+            return self.options.stall_s
+        biggest = max(self._fp16_bytes([j]) for j in share) / min(ratios)
+        return max(self.options.stall_s, 2 * biggest / rate)
+
+    def _fp16_bytes(self, chunks: list[int]) -> int:
+        """The fp16 K and V of these chunks' tokens, all layers."""
+        prof = self.coder.profile_for(self.options.model_id)
+        token_bytes = prof.layers * 2 * prof.heads * prof.head_dim * 2
+        return sum(self.plan.bounds[i][1] - self.plan.bounds[i][0] for i in chunks) * token_bytes
 
     async def _upload(self, item: _Item) -> None:
         """On a GPU: parse the chunk into pinned memory and start its upload on the receive
@@ -441,7 +540,7 @@ class FetchJob:
     async def _decode(self, inp: asyncio.Queue, out: asyncio.Queue) -> None:
         """Up to DECODE_DEPTH chunks decode at once (the workers take a chunk's streams between
         them, so one chunk alone leaves them idle while the daemon hands it over and collects
-        it); the fill stage takes them in order."""
+        it), in the order they arrive; the fill stage puts them back in order."""
         slots = asyncio.Semaphore(1 if self.stages is not None else DECODE_DEPTH)  # CUDA stages: one at a time
         busy = _Busy()
         tasks: list[asyncio.Task] = []
@@ -551,24 +650,39 @@ class FetchJob:
     # -- stage 3: fill -----------------------------------------------------------------------
 
     async def _fill(self, inp: asyncio.Queue, emit: Callable[[events.Event], Awaitable[None]]) -> None:
+        """Chunks in order, whatever order they decoded in: one decoded ahead of a chunk not yet
+        in waits here (decoded straight into the buffer, as on host memory, it holds nothing)."""
         busy = 0.0
+        early: dict[int, _Item] = {}
+        nxt = 0
         while (task := await inp.get()) is not None:
             item = await task
-            s, e = self.plan.bounds[item.i]
-            if item.kind == "kv" and not item.filled:
-                t = time.perf_counter()
-                if hasattr(item.kv, "prep"):  # decoded on the device: copy on the fill stream
-                    done = self.stages.fill(item.kv, self.buffer.dense()[:, :, s:e])  # (GPU stages: dense layouts)
-                    if done is not None:
-                        await asyncio.to_thread(done.synchronize)
-                else:
-                    await asyncio.to_thread(self._fill_cpu, item.i, item.kv)
-                busy += time.perf_counter() - t
-                item.kv = None
-            self.result.levels.append(item.level)
-            self.result.events += 1
-            await emit(events.Chunk(
-                item.i, s, e, item.kind, item.level, item.source, t_ms=round((time.monotonic() - self._t0) * 1000, 2),
-                bytes=item.nbytes, arrived_ms=round((item.arrived - self._t0) * 1000, 2) if item.arrived else None,
-                error=item.error or None))
+            early[item.i] = item
+            while nxt in early:
+                busy += await self._fill_one(early.pop(nxt), emit)
+                nxt += 1
+        for i in sorted(early):  # none when every chunk came (each does, as KV or TEXT)
+            busy += await self._fill_one(early.pop(i), emit)
         self.result.stage_s["fill"] = busy
+
+    async def _fill_one(self, item: _Item, emit: Callable[[events.Event], Awaitable[None]]) -> float:
+        """Chunk `item` into the buffer and its event to the client; returns the seconds copying."""
+        busy = 0.0
+        s, e = self.plan.bounds[item.i]
+        if item.kind == "kv" and not item.filled:
+            t = time.perf_counter()
+            if hasattr(item.kv, "prep"):  # decoded on the device: copy on the fill stream
+                done = self.stages.fill(item.kv, self.buffer.dense()[:, :, s:e])  # (GPU stages: dense layouts)
+                if done is not None:
+                    await asyncio.to_thread(done.synchronize)
+            else:
+                await asyncio.to_thread(self._fill_cpu, item.i, item.kv)
+            busy += time.perf_counter() - t
+            item.kv = None
+        self.result.levels.append(item.level)
+        self.result.events += 1
+        await emit(events.Chunk(
+            item.i, s, e, item.kind, item.level, item.source, t_ms=round((time.monotonic() - self._t0) * 1000, 2),
+            bytes=item.nbytes, arrived_ms=round((item.arrived - self._t0) * 1000, 2) if item.arrived else None,
+            error=item.error or None))
+        return busy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from kvstreamd.cluster.shares import Shares, level_tier, needed_level
+from kvstreamd.cluster.shares import PATIENCE, Shares, level_tier, needed_level
 
 LADDER = ["high", "balanced", "fast"]
 
@@ -136,3 +136,47 @@ def test_a_chunk_only_a_lesser_holder_has_still_goes_to_it():
     held = {0: ["full", "lesser"], 1: ["lesser"]}
     s = Shares(range(2), held.__getitem__, lambda p: 1.0, tier=lambda p, i: 0 if p == "full" else 1)
     assert s.take("full") == [0] and s.take("lesser") == [1]
+
+
+# -- holders that go silent, or answer what they should not (issue 26) ---------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_idle_holder_takes_the_chunks_of_a_holder_that_delivered_nothing_its_last_one_too():
+    """"a" never sends (a ghost, or a peer that only PINGs); "b" and "c" sent theirs in 0.1 s:
+    once "a" has been silent for PATIENCE x that, "b" takes its chunk, though it is a's last and
+    a's (unmeasured) rate ties b's; "c" does not ask for it too while b's request is live."""
+    clock = Clock()
+    s = Shares(range(3), everyone("a", "b", "c"), lambda p: 1.0, clock=clock)
+    a, b, c = s.take("a"), s.take("b"), s.take("c")
+    assert (a, b, c) == ([0], [1], [2])
+    clock.now += 0.1
+    assert s.arrived(1, "b") and s.arrived(2, "c")
+    assert s.take("b") == [] and s.waiting()  # not yet silent: 0.1 s < PATIENCE x 0.1 s
+    assert abs(s.recheck_in("b") - (PATIENCE * 0.1 - 0.1)) < 1e-9
+    clock.now += s.recheck_in("b")
+    assert s.take("b") == [0]
+    assert s.take("c") == [] and s.recheck_in("c") is not None  # c looks again should b go silent too
+    assert s.arrived(0, "b") and s.done()
+
+
+def test_a_chunk_answered_in_a_way_not_to_be_used_goes_to_another_holder():
+    held = {i: ["a", "b"] for i in range(4)}
+    s2 = Shares(range(4), lambda i: held[i], lambda p: 1.0)
+    a, b = s2.take("a"), s2.take("b")
+    held[a[0]].remove("a")  # "a" answered a[0] as TEXT: the caller takes it off a[0]'s holders
+    s2.retry("a", a[0])
+    for i in b:
+        s2.arrived(i, "b")
+    assert s2.take("b") == [a[0]]  # asked of b, while a's request goes on for the rest
+    for i in a[1:]:
+        s2.arrived(i, "a")
+    assert not s2.done() and s2.waiting()
+    s2.arrived(a[0], "b")
+    assert s2.done() and not s2.waiting()
