@@ -164,14 +164,15 @@ class PeerManager:
     def connected(self) -> list[str]:
         return sorted(n for n, conns in self.by_node.items() if conns)
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` as a task of the peer links: cancelled and awaited when they stop."""
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
 
     def _accepted(self, conn: aio.PeerConnection) -> None:
-        self._spawn(self._run_conn(conn, None))
+        self.spawn(self._run_conn(conn, None))
 
     async def _connect(self, host: str, port: int) -> aio.PeerConnection:
         """Dial a peer: TCP (TLS where configured) and the handshake, within its timeout."""
@@ -236,7 +237,7 @@ class PeerManager:
             return None
         state.last_error = None
         self._last_used[conn] = self._loop.time()
-        self._spawn(self._run_conn(conn, state))
+        self.spawn(self._run_conn(conn, state))
         return conn
 
     async def _close_idle(self) -> None:

@@ -294,6 +294,7 @@ class FetchJob:
         changed = asyncio.Condition()
         streams = [asyncio.ensure_future(self._from_peer(peer, shares, ready, changed, busy))
                    for peer in shares.sources]
+        quiet: set[asyncio.Task] = set()
         try:
             while len(handed) < p.found - p.local:
                 for j in sorted(ready):
@@ -303,23 +304,35 @@ class FetchJob:
                     break
                 async with changed:
                     await changed.wait_for(lambda: ready or all(t.done() for t in streams))
-            # Every chunk is in. A request that has delivered nothing yet gets until its stall
-            # verdict (a chunk: it was only slow, and stops as redundant; none for stall_s: it
-            # stalled and cools down), so that a silent holder is named, and not asked again
-            # next time, though others sent its chunks. The client has every chunk meanwhile.
-            quiet = [t for peer, t in zip(shares.sources, streams) if not t.done() and peer in self._quiet]
-            if quiet:
-                await asyncio.wait(quiet, timeout=max(self.peers_until - time.monotonic(), 0))
+            # Every chunk is in, and the fetch ends now. A request that has delivered nothing
+            # yet runs on in the background to its stall verdict (a chunk: it was only slow, and
+            # stops as redundant; none for stall_s: it stalled and cools down), so that a silent
+            # holder is named, and not asked again next time, though others sent its chunks.
+            quiet = {t for peer, t in zip(shares.sources, streams) if not t.done() and peer in self._quiet}
         finally:
-            for t in streams:
+            ended = [t for t in streams if t not in quiet]
+            for t in ended:
                 t.cancel()
-            done = await asyncio.gather(*streams, return_exceptions=True)
+            done = await asyncio.gather(*ended, return_exceptions=True)
+            for t in quiet:
+                self.peers.spawn(self._verdict(t))
         for j in sorted(ready):  # came as the last stream ended
             handed.add(j)
             await out.put(ready.pop(j))
         for e in done:
             if isinstance(e, Exception):
                 raise e
+
+    async def _verdict(self, stream: asyncio.Task) -> None:
+        """A silent holder's request, left running when its fetch ended: waited for until its
+        stall verdict, within the fetch's time for peers, then ended."""
+        try:
+            await asyncio.wait({stream}, timeout=max(self.peers_until - time.monotonic(), 0))
+        finally:
+            stream.cancel()
+            (e,) = await asyncio.gather(stream, return_exceptions=True)
+            if isinstance(e, Exception):
+                log.warning("a silent holder's request ended with %s: %s", type(e).__name__, e)
 
     def _near(self, peer: str) -> bool:
         """`peer` is in this node's zone (or this node has none)."""

@@ -223,6 +223,10 @@ async def test_a_peer_that_advertises_everything_and_only_pings_holds_up_no_chun
         finally:
             pinging.cancel()
             await asyncio.gather(pinging, return_exceptions=True)
+        async def cooled() -> bool:  # its request ran on to its stall verdict (stall_s) after the fetch
+            return (await peer_info(cb, "chatty"))["cooldown_why"] == "stalled"
+
+        await until("chatty to stall and cool down", cooled, timeout=5)
         events2, _, at2, _, _ = await timed_fetch(cb, tokens, deadline_ms)  # chatty cools down: alone again
         assert len(chatty.fetches) == 1
         plain.append(at2[-1])
@@ -233,9 +237,7 @@ async def test_a_peer_that_advertises_everything_and_only_pings_holds_up_no_chun
         assert [ev.kind for ev in events] == ["kv"] * 16 and {ev.source for ev in events} <= {"h1", "h2"}
         right_kv(checked, kv, small_profile)
         assert at[-1] <= 2 * no_fault, f"last chunk at {at[-1]:.3f} s, no-fault {no_fault:.3f} s"
-        assert took <= deadline_ms / 1000 + grace_s(deadline_ms)
-        assert any("chatty" in e and "stalled" in e for e in end.errors), end.errors
-        assert (await peer_info(cb, "chatty"))["cooldown_why"] == "stalled"
+        assert took - at[-1] < 0.5, "the fetch waited for the silent holder (stall_s 1) though it had every chunk"
         assert rss() <= before * 1.1, "memory did not come back after the fault"
     no_traceback(caplog)
 

@@ -217,11 +217,16 @@ async def test_a_stalled_peer_is_avoided_for_its_cooldown_then_tried_again(inpro
         await sees(b, "silent", tokens, 600)
         await sees(b, "z-holder", tokens, 600)
 
+        async def cooldown(peer: str):
+            return {p["node_id"]: p for p in await cb.peers()}[peer]["cooldown_s"]
+
         events, end, took = await timed_fetch(cb, tokens)
         assert [(ev.kind, ev.source) for ev in events] == [("kv", "z-holder")] * 3  # another holder, in time
-        assert len(silent.fetches) == 1 and any("silent" in e and "avoided for 2 s" in e for e in end.errors), end.errors
-        peers = {p["node_id"]: p for p in await cb.peers()}
-        assert 0 < peers["silent"]["cooldown_s"] <= 2 and peers["z-holder"]["cooldown_s"] is None
+        assert len(silent.fetches) == 1
+        # z-holder took silent's chunks, so the fetch ended at once; silent's request ran on to
+        # its stall verdict (stall_s) in the background, which cools it down
+        assert await until("silent to stall and cool down", lambda: cooldown("silent"), timeout=5) <= 2
+        assert await cooldown("z-holder") is None
         assert (await cb.lookup(MODEL, tokens))["peers"] == {"z-holder": 600}
 
         events, end, took = await timed_fetch(cb, tokens)  # while it cools down: not asked at all
@@ -235,7 +240,7 @@ async def test_a_stalled_peer_is_avoided_for_its_cooldown_then_tried_again(inpro
         assert (await cb.lookup(MODEL, tokens))["peers"] == {"silent": 600, "z-holder": 600}
         events, end, took = await timed_fetch(cb, tokens)  # tried again, and a second stall in a row: 2 x longer
         assert len(silent.fetches) == 2 and [ev.source for ev in events] == ["z-holder"] * 3
-        assert any("silent" in e and "avoided for 4 s" in e for e in end.errors), end.errors
+        assert 2 < await until("silent to stall again", lambda: cooldown("silent"), timeout=5) <= 4
 
 
 def test_a_stalled_peers_cooldown_doubles_with_each_stall_in_a_row_and_a_served_fetch_resets_it():
