@@ -92,6 +92,7 @@ class PeerConnection(asyncio.Protocol):
         self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
         self.last_received = self._loop.time()  # loop time the latest bytes came from the peer
+        self.received_bytes = 0  # bytes that came from the peer, all told
         self._transport: asyncio.Transport | None = None
         self._ready: asyncio.Future[None] = self._loop.create_future()
         self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen by connect() only
@@ -278,6 +279,7 @@ class PeerConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_received = self._loop.time()
+        self.received_bytes += len(data)
         self.conn.receive_data(data, self.last_received)
         self._process()
 

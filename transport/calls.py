@@ -33,6 +33,7 @@ class Peer(Protocol):
 
     peer_node_id: str | None
     peer_caps: dict | None
+    received_bytes: int  # bytes that came from the peer on the connection, all told
     reading_paused: bool  # this side stopped reading (its receive buffer is full)
 
     async def cancel(self, req: int, error: "FetchError | None" = None) -> None: ...
@@ -79,11 +80,17 @@ class FetchInterrupted(FetchError, ConnectionClosedError):
     """The connection closed before the request's END: what arrived is not the whole context."""
 
 
+# Bytes on the connection are progress of a fetch awaiting its next chunk only at this rate or
+# more over stall_s (as curl's --speed-limit over --speed-time): a sender probing a slow link
+# before its first chunk (512 KiB at 2 Mbit/s takes 2 s) or sending a large chunk moves; a
+# peer that trickles a frame a few bytes at a time or only PINGs does not.
+MIN_PROGRESS_BYTES_PER_S = 16 * 1024
+
+
 class FetchStalled(FetchCancelled):
-    """No whole chunk of this fetch came for the fetch's `stall_s` while it was awaited: the
-    peer stopped, is partitioned, ignores the FETCH, or only trickles bytes or chatters (PINGs
-    and other requests' frames are no progress of this one). The fetch was cancelled on the
-    wire."""
+    """No whole chunk of this fetch came for the fetch's `stall_s` while it was awaited, nor
+    bytes at MIN_PROGRESS_BYTES_PER_S: the peer stopped, is partitioned, ignores the FETCH,
+    or only trickles bytes or chatters. The fetch was cancelled on the wire."""
 
 
 class FetchTimedOut(FetchCancelled):
@@ -98,8 +105,9 @@ class FetchCall:
 
     Whatever the peer does, a call with limits never waits past them: with `stall_s`, once
     no whole chunk (CHUNK or TEXT) of this fetch has come for that long, counted from the
-    FETCH or the latest chunk, while the call is awaited, it raises FetchStalled (progress is
-    chunks, not bytes: a peer that trickles a frame or only PINGs has stalled); with `limit_s`, once that
+    FETCH or the latest chunk, while the call is awaited, nor bytes at MIN_PROGRESS_BYTES_PER_S,
+    it raises FetchStalled (progress is chunks, or bytes at a useful rate: a peer that trickles
+    a frame or only PINGs has stalled); with `limit_s`, once that
     many seconds have passed since the FETCH, FetchTimedOut. Either sends CANCEL first, so
     the peer stops sending and frees what it holds for the request. Time this side spends
     not reading (its receive buffer full) never counts as the peer's silence."""
@@ -115,7 +123,8 @@ class FetchCall:
         self._taken = taken  # tells the connection a chunk left its buffer
         self._items: asyncio.Queue[Chunk | Text | None] = asyncio.Queue()
         self._final: FetchError | None = None  # set once the request is over and not ok
-        self._moved = self._clock()  # loop time of the FETCH or of its latest chunk
+        self._moved = self._clock()  # loop time of the FETCH, of its latest chunk, or of bytes at a useful rate
+        self._moved_bytes = peer.received_bytes  # the connection's bytes then
 
     def __aiter__(self) -> FetchCall:
         return self
@@ -138,10 +147,12 @@ class FetchCall:
                 self._moved = now
             wait = []
             if self.stall_s is not None:  # first: a stalled peer is named so even when time is up too
+                if now - self._moved >= self.stall_s and self._moving(now):
+                    self._moved, self._moved_bytes = now, self.peer.received_bytes
                 if now - self._moved >= self.stall_s:
                     await self._give_up(FetchStalled(
-                        STALLED, f"the peer sent nothing of this fetch (no whole chunk) for {now - self._moved:.2f} s "
-                        f"(stall_s {self.stall_s:g})",
+                        STALLED, f"the peer sent no whole chunk of this fetch, nor bytes at "
+                        f"{MIN_PROGRESS_BYTES_PER_S // 1024} KiB/s, for {now - self._moved:.2f} s (stall_s {self.stall_s:g})",
                         self.req))
                     break
                 wait.append(self._moved + self.stall_s - now)
@@ -171,9 +182,14 @@ class FetchCall:
         """Stop the fetch: sends CANCEL; this iterator raises FetchCancelled from now on."""
         await self.peer.cancel(self.req)
 
+    def _moving(self, now: float) -> bool:
+        """Bytes came on the connection since the last progress at MIN_PROGRESS_BYTES_PER_S."""
+        return self.peer.received_bytes - self._moved_bytes >= MIN_PROGRESS_BYTES_PER_S * (now - self._moved)
+
     def deliver(self, msg: Chunk | Text) -> None:
         """A chunk of this fetch arrived (checked and acknowledged by the connection)."""
         self._moved = self._clock()
+        self._moved_bytes = self.peer.received_bytes
         self._items.put_nowait(msg)
 
     def finish(self, end: End | None, error: FetchError | None, drop: bool = False) -> None:

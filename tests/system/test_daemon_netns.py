@@ -79,14 +79,16 @@ def test_peer_killed_mid_stream(tmp_path, long_context, short_context):
             assert b.client().health()["status"] == "ok" and c.client().health()["status"] == "ok"
 
             # 3. a restarts (its store is rebuilt from disk) and c holds the context too: a dies again
-            #    mid-stream -> the rest comes from c, every chunk as KV
+            #    mid-fetch -> the rest comes from c, every chunk as KV
             c.client().put(model_id, tokens, kv)
             a.start()
             wait_for(lambda: b.client().lookup(model_id, tokens)["peers"].get("a") == 1024, timeout=60,
                      what="b sees a again")
             events, end, got = fetch_killing(b, a, model_id, tokens)
             assert [e.kind for e in events] == ["kv"] * 4, events
-            assert events[0].source == "a" and events[-1].source == "c"
+            # (c, on b's own host, takes what a has not sent once it has sent its share: a slow
+            # link, a peer that died mid-stream or a silent one hold up no chunk c has)
+            assert events[-1].source == "c", [(e.i, e.source, e.arrived_ms) for e in events]
             assert end.kv_tokens == 1024 and end.text_tokens == 0
             for ev in events:
                 assert torch.equal(got[:, :, ev.start:ev.end], expected_chunk(kv, ev.i, ev.level, model_id))
