@@ -121,7 +121,7 @@ class Shares:
         mine = [i for i in self._todo if peer in self._holders(i)]
         if not mine:
             return []
-        takers = max(1, sum(1 for p in self.sources if p not in self.failed and not self._pending(p)))
+        takers = max(1, sum(1 for p in self.sources if p not in self.failed and not self.pending(p)))
         part = mine[:-(-len(mine) // takers)]
         self._todo = [i for i in self._todo if i not in part]
         return part
@@ -131,7 +131,7 @@ class Shares:
         if silent:
             return silent
         behind = [(len(c), p, c) for p in self._asked if p != peer and p not in self.failed
-                  and (c := [i for i in self._pending(p) if peer in self._holders(i)])]
+                  and (c := [i for i in self.pending(p) if peer in self._holders(i)])]
         if not behind:
             return []
         n, victim, chunks = max(behind, key=lambda t: (t[0], t[1]))
@@ -148,7 +148,7 @@ class Shares:
         return max(PATIENCE_MIN_S, PATIENCE * (self._since[peer] - self._began[peer]) / n)
 
     def _live_others(self, peer: str) -> list[str]:
-        return [p for p in self._asked if p != peer and p not in self.failed and self._pending(p)]
+        return [p for p in self._asked if p != peer and p not in self.failed and self.pending(p)]
 
     def _silent(self, peer: str) -> list[int]:
         """The chunks `peer` holds of the requests silent to it that no other live request has."""
@@ -158,8 +158,8 @@ class Shares:
         now = self._clock()
         others = self._live_others(peer)
         silent = {p for p in others if now - self._since[p] >= patience}
-        covered = {i for p in others if p not in silent for i in self._pending(p)}
-        return sorted({i for p in silent for i in self._pending(p)
+        covered = {i for p in others if p not in silent for i in self.pending(p)}
+        return sorted({i for p in silent for i in self.pending(p)
                        if i not in covered and peer in self._holders(i)})
 
     def recheck_in(self, peer: str) -> float | None:
@@ -170,10 +170,11 @@ class Shares:
             return None
         now = self._clock()  # (one silent already has been taken from, or is covered by a live request)
         due = [d for p in self._live_others(peer) if (d := self._since[p] + patience - now) > 0
-               and any(peer in self._holders(i) for i in self._pending(p))]
+               and any(peer in self._holders(i) for i in self.pending(p))]
         return min(due) if due else None
 
-    def _pending(self, peer: str) -> list[int]:
+    def pending(self, peer: str) -> list[int]:
+        """The chunks `peer`'s request still owes (asked of it, not yet arrived from anyone)."""
         return [i for i in self._asked.get(peer, ()) if i not in self._arrived]
 
     # -- what happened ------------------------------------------------------------------------
@@ -195,20 +196,20 @@ class Shares:
         taken `peer` off i's holders)."""
         if peer in self._asked:
             self._asked[peer] = [j for j in self._asked[peer] if j != i]
-        others = {j for p in self._asked if p not in self.failed for j in self._pending(p)}
+        others = {j for p in self._asked if p not in self.failed for j in self.pending(p)}
         if i not in self._arrived and i not in others:
             self._todo = sorted(set(self._todo) | {i})
 
     def redundant(self, peer: str) -> bool:
         """Everything `peer`'s request still has to send has arrived from others: cancel it."""
-        return bool(self._asked.get(peer)) and not self._pending(peer)
+        return bool(self._asked.get(peer)) and not self.pending(peer)
 
     def give_back(self, peer: str) -> None:
         """`peer`'s request ended short (it no longer holds a chunk, or was cancelled): what it
         did not send, and no other peer is asked for, goes to whoever takes it."""
-        unsent = self._pending(peer)
+        unsent = self.pending(peer)
         self._asked.pop(peer, None)
-        others = {i for p in self._asked if p not in self.failed for i in self._pending(p)}
+        others = {i for p in self._asked if p not in self.failed for i in self.pending(p)}
         self._todo = sorted(set(self._todo) | {i for i in unsent if i not in others})
 
     def fail(self, peer: str) -> None:
@@ -228,7 +229,7 @@ class Shares:
     def waiting(self) -> bool:
         """Some chunk not arrived could still come: a request is out for it, or a live holder
         could take it."""
-        if any(self._pending(p) for p in self._asked if p not in self.failed):
+        if any(self.pending(p) for p in self._asked if p not in self.failed):
             return True
         live = [p for p in self.sources if p not in self.failed]
         later = self._todo + [i for share in self._first.values() for i in share]

@@ -193,7 +193,8 @@ class FetchJob:
         self._t0 = options.arrived
         self._texted: dict[int, set[str]] = {}  # chunk -> peers that answered it TEXT, asked elsewhere for KV
         self._distrusted: set[str] = set()  # peers cooled down in this fetch for TEXT another sent as KV
-        self._quiet: set[str] = set()  # peers whose FETCH is out and has delivered nothing yet
+        self._open: set[str] = set()  # peers with a FETCH of this fetch out (not ended)
+        self._quiet: set[str] = set()  # of those, the ones that have delivered nothing yet
 
     def _remaining_ms(self) -> int:
         return int(self.options.deadline_ms - (time.monotonic() - self._t0) * 1000)
@@ -294,7 +295,7 @@ class FetchJob:
         changed = asyncio.Condition()
         streams = [asyncio.ensure_future(self._from_peer(peer, shares, ready, changed, busy))
                    for peer in shares.sources]
-        quiet: set[asyncio.Task] = set()
+        lingering: set[asyncio.Task] = set()
         try:
             while len(handed) < p.found - p.local:
                 for j in sorted(ready):
@@ -304,18 +305,22 @@ class FetchJob:
                     break
                 async with changed:
                     await changed.wait_for(lambda: ready or all(t.done() for t in streams))
-            # Every chunk is in, and the fetch ends now. A request that has delivered nothing
-            # yet runs on in the background to its stall verdict (a chunk: it was only slow, and
-            # stops as redundant; none for stall_s: it stalled and cools down), so that a silent
-            # holder is named, and not asked again next time, though others sent its chunks.
-            quiet = {t for peer, t in zip(shares.sources, streams) if not t.done() and peer in self._quiet}
+            # Every chunk is in, and the fetch ends now. Two kinds of request still open run on
+            # in the background (_linger): one that owes nothing (its END follows its last ACK:
+            # the sender finishes the request, its accounting and its log, rather than seeing a
+            # CANCEL), and one that has delivered nothing yet, to its stall verdict (a chunk: it
+            # was only slow; none for stall_s: it stalled and cools down), so that a silent
+            # holder is named, and not asked next time, though others sent its chunks. A request
+            # still sending chunks others sent first is cancelled.
+            lingering = {t for peer, t in zip(shares.sources, streams) if not t.done() and peer in self._open
+                         and (peer in self._quiet or not shares.pending(peer))}
         finally:
-            ended = [t for t in streams if t not in quiet]
+            ended = [t for t in streams if t not in lingering]
             for t in ended:
                 t.cancel()
             done = await asyncio.gather(*ended, return_exceptions=True)
-            for t in quiet:
-                self.peers.spawn(self._verdict(t))
+            for t in lingering:
+                self.peers.spawn(self._linger(t))
         for j in sorted(ready):  # came as the last stream ended
             handed.add(j)
             await out.put(ready.pop(j))
@@ -323,16 +328,16 @@ class FetchJob:
             if isinstance(e, Exception):
                 raise e
 
-    async def _verdict(self, stream: asyncio.Task) -> None:
-        """A silent holder's request, left running when its fetch ended: waited for until its
-        stall verdict, within the fetch's time for peers, then ended."""
+    async def _linger(self, stream: asyncio.Task) -> None:
+        """A request left running when its fetch ended (_round): waited for until its END or
+        its stall verdict, within the fetch's time for peers, then ended."""
         try:
             await asyncio.wait({stream}, timeout=max(self.peers_until - time.monotonic(), 0))
         finally:
             stream.cancel()
             (e,) = await asyncio.gather(stream, return_exceptions=True)
             if isinstance(e, Exception):
-                log.warning("a silent holder's request ended with %s: %s", type(e).__name__, e)
+                log.warning("a request left running after its fetch ended with %s: %s", type(e).__name__, e)
 
     def _near(self, peer: str) -> bool:
         """`peer` is in this node's zone (or this node has none)."""
@@ -405,6 +410,7 @@ class FetchJob:
                             prefix_tokens=self._prefix_tokens, rule=self.options.rule)
         nbytes, sent = 0, 0  # positions of `share` received
         at = lambda: share[min(sent, len(share) - 1)]  # noqa: E731  the chunk it was to send next
+        self._open.add(peer)
         self._quiet.add(peer)
         try:
             with busy:
@@ -427,7 +433,7 @@ class FetchJob:
                         item = _Item(j, "text", TEXT, peer, arrived=time.monotonic(), nbytes=text_wire_bytes(msg.tokens, msg.req, msg.i))
                         if self._ask_elsewhere(peer, j, shares):
                             await tell()
-                            if shares.redundant(peer):
+                            if sent < len(share) and shares.redundant(peer):
                                 break
                             continue
                     if shares.arrived(j, peer):
@@ -437,8 +443,9 @@ class FetchJob:
                         await self._upload(item)
                         ready[j] = item
                     await tell()
-                    if shares.redundant(peer):
+                    if sent < len(share) and shares.redundant(peer):
                         break  # the rest of its share came from others: its request is cancelled below
+                    # (its own last chunk in: its END follows, and the sender finishes the request)
             if stream.end is not None:
                 if stream.end.deadline_missed:
                     self.result.deadline_missed = True
@@ -481,6 +488,7 @@ class FetchJob:
             self.metrics.error("chunk_bad_crc" if e.code == BAD_CRC else "peer_fetch_failed")
             return False
         finally:
+            self._open.discard(peer)
             self._quiet.discard(peer)
             await stream.cancel()  # a no-op once it ended; else the peer stops too
             self.result.bytes += nbytes

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.fixtures import until
 from kvstreamd.ops import ab_report
 from kvstreamd.client import AsyncClient
 from kvstreamd.config import ConfigError, load
@@ -334,5 +335,11 @@ async def test_a_daemon_pair_runs_both_arms_and_the_candidate_ladder_reaches_the
     assert f'kvstreamd_fetch_chunks_total{{arm="candidate",level="fast"}} {len(levels[CANDIDATE])}.0' in metrics
     assert sorted(o["arm"] for o in ab["outcomes"]) == [CANDIDATE] * 3 + [CONTROL] * 3
     assert ab["experiment"]["rule"] == "cachegen"
-    served = [r.getMessage() for r in caplog.records if r.getMessage().startswith("served ")]
-    assert sum("(rule cachegen)" in s for s in served) >= 3 and sum("(rule adaptive)" in s for s in served) >= 3
+
+    def served(rule: str) -> int:
+        return sum(m.startswith("served ") and f"(rule {rule})" in m for m in (r.getMessage() for r in caplog.records))
+
+    async def each_logged() -> bool:  # a logs a FETCH served once its END is out: b may have ended first
+        return served("cachegen") >= 3 and served("adaptive") >= 3
+
+    await until("a to log each FETCH it served with the rule b asked for", each_logged, timeout=5)
