@@ -14,7 +14,7 @@ from typing import Callable
 
 from transport import aio
 from transport.bandwidth import PeerBandwidth
-from transport.messages import HANDSHAKE_TIMEOUT
+from transport.messages import HANDSHAKE_TIMEOUT, WRITE_STALLED
 from codec.profile import Profile
 
 from kvstreamd.cluster.serving import Serving
@@ -302,6 +302,8 @@ class PeerManager:
         except aio.TransportError:
             pass
         finally:
+            if conn.closed is not None and conn.closed.code == WRITE_STALLED:
+                self.metrics.error("peer_write_stalled")  # it read none of our bytes for write_stall_s
             conns.discard(conn)
             if not conns:
                 self.by_node.pop(peer, None)

@@ -81,6 +81,7 @@ def test_probes_to_a_sigstopped_peer_hold_one_probe_and_its_connection_ends_afte
             stalled = rss(a.proc.pid) - before
             print(f"a's RSS +{stalled / 2**20:.1f} MiB once the connection ended ({last})")
             assert "write_stalled" in a.log(), a.log()[-2000:]
+            assert 'kvstreamd_errors_total{kind="peer_write_stalled"} 1.0' in ca.metrics()
         finally:
             os.kill(b.proc.pid, signal.SIGCONT)
         wait_for(lambda: ca.status()["peers_connected"] == ["b"], timeout=30, what="a to connect to b again")
