@@ -90,8 +90,10 @@ async def test_holders_advertise_their_levels_and_a_fetch_takes_chunks_from_one_
 
         got, _ = await fetch(cc, tokens)
         assert [(ev.kind, ev.source, ev.level) for ev in got] == [("kv", "a", "high")] * 3
-        got, _ = await fetch(cc, tokens, levels=["fast"])  # both hold what it needs: both send
-        assert {ev.level for ev in got} == {"fast"} and {ev.source for ev in got} == {"a", "b"}
+        # both hold what it needs: either may send each chunk (the split gives each a share, and an
+        # idle holder takes what the other has not sent within PATIENCE x its own time per chunk)
+        got, _ = await fetch(cc, tokens, levels=["fast"])
+        assert {ev.level for ev in got} == {"fast"} and {ev.source for ev in got} <= {"a", "b"}
 
 
 async def test_a_peer_holding_chunks_only_at_levels_the_fetch_does_not_take_is_not_asked(inprocess):
