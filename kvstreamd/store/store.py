@@ -514,23 +514,7 @@ class Store:
         """Pin the held keys and return their records (None for keys not held, or whose file
         turned out bad; those are not left pinned). Unpin with unpin([r.key for r in recs if r]).
         Reads disk-only chunks: from an event loop, call it in a thread."""
-        with self._lock:
-            held = [k for k in keys if k in self._meta]
-            for k in held:
-                self._pins[k] += 1
-        recs: list[ChunkRecord | None] = []
-        try:
-            held_set = set(held)
-            for k in keys:
-                recs.append(self.get(k) if k in held_set else None)
-        finally:
-            got = collections.Counter(r.key for r in recs if r is not None)
-            extra = list((collections.Counter(held) - got).elements())  # pinned but not returned
-            if len(recs) < len(keys):  # get raised: undo every pin
-                extra = held
-            if extra:
-                self.unpin(extra)
-        return recs
+        return self._pinned(keys, self.get)
 
     def pin_info(self, keys: Sequence[bytes]) -> list[ChunkInfo | None]:
         """pin() without reading payloads: each held key pinned, and what its chunk is (from its
@@ -538,21 +522,28 @@ class Store:
         get() only when it needs it, so that a FETCH of many chunks holds one at a time. None
         for keys not held, or whose header does not read (those are not left pinned). Unpin
         with unpin(). Reads file headers: from an event loop, call it in a thread."""
+        return self._pinned(keys, self._info)
+
+    def _pinned(self, keys: Sequence[bytes], read: Callable[[bytes], object | None]) -> list:
+        """Pin the held keys and `read(key)` each (None for keys not held); a key read as None
+        is not left pinned, and if a read raises, no pin is."""
         with self._lock:
             held = [k for k in keys if k in self._meta]
             for k in held:
                 self._pins[k] += 1
-        infos: list[ChunkInfo | None] = []
-        held_set = set(held)
+        out: list = []
         try:
+            held_set = set(held)
             for k in keys:
-                infos.append(self._info(k) if k in held_set else None)
+                out.append(read(k) if k in held_set else None)
         finally:
-            got = collections.Counter(i.key for i in infos if i is not None)
-            extra = list((collections.Counter(held) - got).elements()) if len(infos) == len(keys) else held
+            got = collections.Counter(r.key for r in out if r is not None)
+            extra = list((collections.Counter(held) - got).elements())  # pinned but not returned
+            if len(out) < len(keys):  # a read raised: undo every pin
+                extra = held
             if extra:
                 self.unpin(extra)
-        return infos
+        return out
 
     def _info(self, key: bytes) -> ChunkInfo | None:
         with self._lock:
