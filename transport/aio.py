@@ -91,7 +91,6 @@ class PeerConnection(asyncio.Protocol):
         self._handshake_timeout = handshake_timeout
         self._on_lost = on_lost
         self._loop = asyncio.get_running_loop()
-        self.last_received = self._loop.time()  # loop time the latest bytes came from the peer
         self.received_bytes = 0  # bytes that came from the peer, all told
         self._transport: asyncio.Transport | None = None
         self._ready: asyncio.Future[None] = self._loop.create_future()
@@ -278,9 +277,8 @@ class PeerConnection(asyncio.Protocol):
         self._flush()  # our HELLO
 
     def data_received(self, data: bytes) -> None:
-        self.last_received = self._loop.time()
         self.received_bytes += len(data)
-        self.conn.receive_data(data, self.last_received)
+        self.conn.receive_data(data, self._loop.time())
         self._process()
 
     def eof_received(self) -> bool:

@@ -391,7 +391,6 @@ class ScrapeServer(web.Server):
         super().__init__(self._answer, keepalive_timeout=idle_s, access_log=None)
         self.node = node
         self.max_connections = max_connections
-        self.closed_over_cap = 0  # connections closed to keep within the cap
         self._busy: set = set()  # connections with a request in progress
 
     def connection_made(self, handler, transport) -> None:
@@ -399,7 +398,6 @@ class ScrapeServer(web.Server):
         conns = self.connections  # oldest first; this one last
         if len(conns) > self.max_connections:
             oldest_idle = next((c for c in conns[:-1] if c not in self._busy), handler)
-            self.closed_over_cap += 1
             oldest_idle.force_close()
 
     async def _answer(self, request: web.BaseRequest) -> web.StreamResponse:
