@@ -47,7 +47,7 @@ from kvstreamd.cluster.directory import Directory, Holders
 from kvstreamd.metrics import Metrics
 from kvstreamd.node.options import FetchOptions
 from kvstreamd.cluster.peers import PeerManager
-from kvstreamd.store.keys import chunk_bounds, chunk_keys, prefix_keys
+from kvstreamd.store.keys import chunk_bounds, chunk_keys, chunk_ranges, prefix_keys
 from kvstreamd.cluster.shares import Shares, level_tier, needed_level
 from kvstreamd.store.store import Store
 
@@ -57,17 +57,6 @@ QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bo
 DECODE_DEPTH = 2  # chunks decoding at once
 
 grace_s = aio.grace_s  # a fetch ends within its deadline + max(1 s, 10% of it), whatever its peers do
-
-
-def _ranges(chunks: list[int]) -> str:
-    """[3, 4, 5, 8] -> "3..5, 8"."""
-    runs: list[list[int]] = []
-    for i in chunks:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a}..{b}" if b > a else str(a) for a, b in runs)
 
 
 @dataclass
@@ -281,7 +270,7 @@ class FetchJob:
         if missing and time.monotonic() >= self.peers_until:
             ms = self.options.deadline_ms
             late = f"not received within the deadline ({ms} ms) + {grace_s(ms) / 2:g} s"
-            self.result.errors.append(f"chunks {_ranges(missing)} {late}: recompute them")
+            self.result.errors.append(f"chunks {chunk_ranges(missing)} {late}: recompute them")
             self.result.deadline_missed = True
         for j in missing:
             await out.put(ready.pop(j, None) or _Item(j, "text", TEXT, "fallback", error=late))

@@ -18,7 +18,7 @@ from kvstreamd.metrics import Metrics
 from kvstreamd.node.errors import RequestError
 from kvstreamd.node.pins import Pins
 from kvstreamd.store.chunkfile import ChunkRecord
-from kvstreamd.store.keys import chunk_bounds, chunk_keys
+from kvstreamd.store.keys import chunk_bounds, chunk_keys, chunk_ranges
 from kvstreamd.store.store import NO_ROOM, Store, StoreError
 
 log = logging.getLogger("kvstreamd.node")
@@ -32,17 +32,6 @@ class _PutOutcome:
     refused: tuple[int, StoreError] | None = None  # the chunk the store refused (the put stopped there)
 
 
-def _ranges(idx: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    runs: list[list[int]] = []
-    for i in idx:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
-
-
 def _where(placement: list[str | None]) -> str:
     """Where a put's chunks are, in words: "chunks 0-2 are on disk; chunk 3 is held in memory only"."""
     n, parts = len(placement), []
@@ -50,7 +39,7 @@ def _where(placement: list[str | None]) -> str:
                          (None, "not held")):
         idx = [i for i, w in enumerate(placement) if w == where]
         if idx:
-            parts.append(f"chunk{'s' if len(idx) > 1 else ''} {_ranges(idx)} of {n} "
+            parts.append(f"chunk{'s' if len(idx) > 1 else ''} {chunk_ranges(idx)} of {n} "
                          f"{'are' if len(idx) > 1 else 'is'} {words}")
     return "; ".join(parts)
 

@@ -73,3 +73,14 @@ def chunk_keys(model_id: str, tokens: Sequence[int], chunk_tokens: int) -> list[
         parent = chunk_key(parent, model_id, tokens[s:e])
         keys.append(parent)
     return keys
+
+
+def chunk_ranges(idx: list[int]) -> str:
+    """Chunk indices as messages name them: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
