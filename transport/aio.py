@@ -617,4 +617,7 @@ async def connect(host: str, port: int, node_id: str, secret: bytes, *,
     except HandshakeError:
         await peer.wait_closed()
         raise
+    except asyncio.CancelledError:  # the caller gave up on the handshake (a ghost): not left open until its timeout
+        peer.abort()
+        raise
     return peer
