@@ -85,6 +85,10 @@ class FetchInterrupted(FetchError, ConnectionClosedError):
 # before its first chunk (512 KiB at 2 Mbit/s takes 2 s) or sending a large chunk moves; a
 # peer that trickles a frame a few bytes at a time or only PINGs does not.
 MIN_PROGRESS_BYTES_PER_S = 16 * 1024
+# A wake-up later than planned by more than this (or a quarter of stall_s) means this side's
+# event loop did not run for part of the wait (a GC pass, a starved host): that wait is not
+# counted as the peer's silence, as time with reading paused is not.
+LOOP_LAG_S = 0.1
 
 
 class FetchStalled(FetchCancelled):
@@ -110,7 +114,8 @@ class FetchCall:
     a frame or only PINGs has stalled); with `limit_s`, once that
     many seconds have passed since the FETCH, FetchTimedOut. Either sends CANCEL first, so
     the peer stops sending and frees what it holds for the request. Time this side spends
-    not reading (its receive buffer full) never counts as the peer's silence."""
+    not reading (its receive buffer full, or its event loop held up) never counts as the peer's
+    silence."""
 
     def __init__(self, peer: Peer, req: int, taken: Callable[[Chunk | Text], None], *,
                  stall_s: float | None = None, limit_s: float | None = None):
@@ -162,12 +167,18 @@ class FetchCall:
                     break
                 wait.append(self.until - now)
             getter = asyncio.ensure_future(self._items.get())
+            timeout = max(min(wait), 0.001)
             try:
-                await asyncio.wait({getter}, timeout=max(min(wait), 0.001))
+                await asyncio.wait({getter}, timeout=timeout)
             finally:
                 if not getter.done():
                     getter.cancel()  # a get cancelled as its item came leaves that item queued
                     await asyncio.wait({getter})
+            woke = self._clock()
+            if woke - (now + timeout) > max(LOOP_LAG_S, (self.stall_s or 0) / 4):
+                # this side's loop was held up (a GC pass, a starved host) for some of that wait and
+                # read nothing then: the wait does not count as the peer's silence
+                self._moved += woke - now
             if not getter.cancelled():
                 return getter.result()
         return self._items.get_nowait()

@@ -59,9 +59,13 @@ def cluster(tmp_path):
         started.extend(nodes)
         return nodes
 
-    yield make
-    for n in started:
-        n.stop()
+    try:
+        yield make
+    finally:
+        for n in started:
+            n.stop()
+            # the daemons' own account, shown (pytest prints a test's captured output) when it fails
+            print(f"--- daemon {n.name}'s log, last lines ---\n{n.log()[-4000:]}")
 
 
 def test_three_daemons_store_on_one_fetch_from_another(cluster, context):
@@ -233,7 +237,7 @@ def test_fifty_concurrent_fetches_are_correct_and_memory_stays_bounded(cluster, 
         f = await client.fetch(model_id, tokens, deadline_ms=60_000)
         async with f:
             async for ev in f:
-                assert ev.kind == "kv"
+                assert ev.kind == "kv", (ev, f.end.errors if f.end else None)
                 assert torch.equal(f.kv[:, :, ev.start:ev.end], want[(ev.i, ev.level)])
         assert f.end.kv_tokens == 600
         return [e.level for e in f.events]

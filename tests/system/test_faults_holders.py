@@ -190,7 +190,8 @@ async def test_a_peer_that_advertises_everything_and_only_pings_holds_up_no_chun
         inprocess, small_profile, caplog):
     """16 chunks held by two honest daemons; "chatty" advertises them all, takes the FETCH, never
     sends a chunk and PINGs every 0.5 s (bytes on the wire, no progress). The chunks reach the
-    client within 2x the time they take with the honest holders alone, measured side by side;
+    client within 2x the time they take with the honest holders alone, measured side by side
+(+0.3 s for a pause of the test process), well before chatty's stall verdict;
     the fetch ends within its deadline plus grace, chatty named as stalled."""
     deadline_ms = 5000
     b, h1, h2 = await inprocess(["b", "h1", "h2"], fetch={"stall_s": 1.0},
@@ -236,7 +237,10 @@ async def test_a_peer_that_advertises_everything_and_only_pings_holds_up_no_chun
               f"RSS {before / 2**20:.0f} -> {rss() / 2**20:.0f} MiB")
         assert [ev.kind for ev in events] == ["kv"] * 16 and {ev.source for ev in events} <= {"h1", "h2"}
         right_kv(checked, kv, small_profile)
-        assert at[-1] <= 2 * no_fault, f"last chunk at {at[-1]:.3f} s, no-fault {no_fault:.3f} s"
+        # Waiting for chatty's stall verdict would put the last chunk past stall_s (1 s); the 0.3 s
+        # over 2x leaves room for one pause of the test process that runs all three daemons (a
+        # full GC pass, after a thousand tests, measured 350 ms in CI).
+        assert at[-1] <= 2 * no_fault + 0.3, f"last chunk at {at[-1]:.3f} s, no-fault {no_fault:.3f} s"
         assert took - at[-1] < 0.5, "the fetch waited for the silent holder (stall_s 1) though it had every chunk"
         assert rss() <= before * 1.1, "memory did not come back after the fault"
     no_traceback(caplog)

@@ -3,6 +3,7 @@ connection, CANCEL, and many concurrent streams with their bytes checked."""
 from __future__ import annotations
 
 import asyncio
+import time
 import random
 
 import pytest
@@ -240,6 +241,36 @@ async def test_a_fetch_from_a_peer_that_sends_nothing_stalls_after_stall_s_and_i
                 await anext(call)
             assert 0.3 <= asyncio.get_running_loop().time() - t0 < 1.3
             await cancelled.wait()  # the server's handler saw the CANCEL
+            peer.close()
+
+
+async def test_time_this_sides_loop_is_held_up_is_not_the_peers_silence():
+    """The receiver's event loop held up past stall_s (a GC pass, a starved host) reads nothing
+    meanwhile: that time is not the peer's silence. Here the sender, starved as well, sends its
+    next chunk 0.1 s after the loop runs again (within stall_s of this side's waking)."""
+    go = asyncio.Event()
+
+    async def held(served, fetch):
+        for i, key in enumerate(fetch.keys):
+            if i == 2:
+                await go.wait()
+            await served.send_chunk(i, "high", PAYLOADS[key])
+        await served.end()
+
+    def hold_up(loop) -> None:
+        time.sleep(0.8)
+        loop.call_later(0.1, go.set)
+
+    async with asyncio.timeout(LIMIT):
+        async with await aio.serve(HOST, 0, "srv", SECRET, held) as srv:
+            peer = await aio.connect(HOST, srv.port, "cli", SECRET)
+            got = []
+            async for m in peer.fetch(KEYS[:6], 30_000, ["high"], stall_s=0.3):
+                got.append(m)
+                if len(got) == 2:
+                    loop = asyncio.get_running_loop()
+                    loop.call_soon(hold_up, loop)
+            assert [m.i for m in got] == list(range(6))
             peer.close()
 
 
