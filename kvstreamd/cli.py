@@ -34,6 +34,13 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_folder(args: argparse.Namespace) -> int:
+    from .models.engine_folder import engine_folder
+    out = engine_folder(args.model, args.out)
+    print(f"{out}: serve it with vLLM; its contexts are filed under {(out / 'kvstreamd.json').read_text()}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvstreamd.node import daemon
     return daemon.run(args.config)
@@ -242,6 +249,11 @@ def parser() -> argparse.ArgumentParser:
     pre.add_argument("--quiet", action="store_true", help="no progress bar")
     talker("unpin", "end a context's pin (it stays stored, evictable again)", _unpin).add_argument(
         "key", help="the context's key, as `kvstreamd contexts --json` shows it")
+
+    mf = sub.add_parser("model-folder", help="a folder vLLM serves, for the same weights (and model id) as --model")
+    mf.add_argument("--out", required=True)
+    model_option(mf)
+    mf.set_defaults(func=_model_folder)
 
     commands.add(sub, model_option)
 

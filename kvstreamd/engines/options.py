@@ -1,0 +1,85 @@
+"""The connector's settings, from the engine's `kv_connector_extra_config` (a JSON object): each
+key checked here, with a clear error at the engine's start rather than a miss on every request."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+# A lookup that takes longer than this is a miss: the request is computed as if there were no
+# connector. A lookup on the local socket takes about a millisecond.
+LOOKUP_TIMEOUT_MS = 200
+MODEL_META = "kvstreamd.json"  # in a model folder made by `kvstreamd model-folder`: its model id
+
+
+class OptionsError(ValueError):
+    """A kv_connector_extra_config key the connector cannot use."""
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    socket: str | None = None  # the local daemon's API socket; None: the daemon's default
+    model_id: str | None = None  # the id contexts are filed under; None: from the model folder
+    lookup_timeout_ms: int = LOOKUP_TIMEOUT_MS
+    deadline_ms: int | None = None  # a fetch's deadline; None: the daemon's [fetch] deadline_ms
+    levels: tuple[str, ...] | None = None  # levels a fetch accepts; None: the daemon's
+    # the engine's own prefill rate: the sender's rule prices a chunk sent as text (for the
+    # engine to compute) with it; None: the daemon's [fetch] recompute_tokens_per_s
+    recompute_tokens_per_s: float | None = None
+    save: bool = True  # put each prompt's whole chunks to the local daemon after its prefill
+
+    @classmethod
+    def parse(cls, extra: dict | None, model_folder: str | Path | None = None) -> ConnectorOptions:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise OptionsError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
+        out = {}
+        for key, value in extra.items():
+            out[key] = _check(key, value)
+        if out.get("model_id") is None:
+            out["model_id"] = model_id_of(model_folder)
+        return cls(**out)
+
+
+def _check(key: str, value):
+    bad = OptionsError(f"kv_connector_extra_config: {key}={value!r}")
+    if key in ("socket", "model_id"):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise bad
+        return value
+    if key in ("lookup_timeout_ms", "deadline_ms"):
+        if value is None and key == "deadline_ms":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise OptionsError(f"{bad}: a whole number of milliseconds > 0")
+        return value
+    if key == "recompute_tokens_per_s":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise OptionsError(f"{bad}: tokens per second > 0")
+        return None if value is None else float(value)
+    if key == "levels":
+        if value is not None and (not isinstance(value, list) or not value or
+                                  not all(isinstance(v, str) and v for v in value)):
+            raise OptionsError(f"{bad}: a list of level names")
+        return None if value is None else tuple(value)
+    if key == "save":
+        if not isinstance(value, bool):
+            raise OptionsError(f"{bad}: true or false")
+        return value
+    raise bad
+
+
+def model_id_of(folder: str | Path | None) -> str:
+    """The model id recorded in a model folder (`kvstreamd model-folder` writes it), so that the
+    engine files its contexts under the id the HF side uses for the same weights."""
+    meta = Path(folder) / MODEL_META if folder is not None else None
+    try:
+        mid = json.loads(meta.read_text())["model_id"] if meta is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        mid = None
+    if not isinstance(mid, str) or not mid:
+        raise OptionsError(f"no model_id: set kv_connector_extra_config.model_id, or serve a folder made by "
+                           f"`kvstreamd model-folder` (its {MODEL_META} names the id); {folder} has none")
+    return mid
