@@ -1,7 +1,7 @@
 """The layout is the architecture: dependencies point one way (kvstreamd -> transport -> codec),
 each room of kvstreamd imports only the rooms its row of ROOMS names, the daemon never imports
-its test and benchmark harness, no module imports itself round a circle, and a file grows past
-~500 lines only with its reason in its docstring."""
+its test and benchmark harness, only the vLLM connector imports vLLM, no module imports itself
+round a circle, and a file grows past ~500 lines only with its reason in its docstring."""
 from __future__ import annotations
 
 import ast
@@ -31,7 +31,11 @@ ROOMS = {
     "models": {BASE, "client", "models"},
     "lab": {BASE, "client", "store", "handoff", "cluster", "ops", "models", "lab"},
     "bench": {BASE, "client", "store", "handoff", "cluster", "ops", "models", "lab", "bench"},
+    "engines": {"client"},
 }
+# The one module that imports the serving engine; the daemon and the rest of the package run
+# (and their tests import them) where vLLM is not installed.
+VLLM_MODULE = "kvstreamd.engines.vllm_connector"
 
 
 def room(module: str) -> str | None:
@@ -117,6 +121,12 @@ def test_the_daemon_never_imports_its_harness(graph):
     daemon = [m for m in graph if m.startswith("kvstreamd") and not m.startswith(harness) and m != "kvstreamd"]
     bad = [(a, b) for a in daemon for b in graph[a] if b.startswith(("kvstreamd.lab", "kvstreamd.bench"))]
     assert not bad, f"daemon modules importing test/benchmark harness: {bad}"
+
+
+def test_only_the_vllm_connector_imports_vllm():
+    mods = modules()
+    importers = sorted(name for name, path in mods.items() if "vllm" in imports(name, path, {"vllm"}))
+    assert importers == [VLLM_MODULE], f"modules importing vllm (only {VLLM_MODULE} may): {importers}"
 
 
 def test_no_import_circle(graph):

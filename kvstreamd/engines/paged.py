@@ -52,7 +52,7 @@ class PagedLayout:
         if strides.numel() != 1:
             raise LayoutUnknown(f"block {blocks[1]} is not block {blocks[0]} moved by a constant")
         stride = int(strides.item()) // (blocks[1] - blocks[0])
-        return cls(first.view(2, block_size, heads, head_dim), stride, block_size)
+        return cls((first - blocks[0] * stride).view(2, block_size, heads, head_dim), stride, block_size)
 
     @staticmethod
     def _where(flat: torch.Tensor, write: Write, block: int, block_size: int, heads: int, head_dim: int,
@@ -77,10 +77,12 @@ class PagedLayout:
                 raise LayoutUnknown("the write op changed the values it stored (a quantized cache?)")
             number += got * place
             place *= DIGIT
+        if number.max() >= n:
+            raise LayoutUnknown("the write op changed the values it stored (a quantized cache?)")
         out = torch.full((n,), -1, dtype=torch.int64)
         out[number] = where
         if (out < 0).any():
-            raise LayoutUnknown("two K/V elements landed in one place")
+            raise LayoutUnknown("the write op stored some K/V elements twice and others not at all")
         return out
 
     def index(self, slots: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,15 @@ chunks: the engine holds a loaded prefix and then computes, never a hole in the 
 computes the prompt's last token itself (its logits give the first new token)."""
 from __future__ import annotations
 
+import math
+
 
 def tokens_to_load(prompt_tokens: int, held: int, chunk_tokens: int, block_size: int, computed: int) -> int:
     """Tokens past the `computed` ones to load, when the cluster holds the prompt's first `held`
     tokens: whole chunks that are whole blocks too, short of the last prompt token; 0 when
     that is no more than the engine has already."""
     n = min(held, prompt_tokens - 1)
-    n -= n % chunk_tokens
-    n -= n % block_size
+    n -= n % math.lcm(chunk_tokens, block_size)  # a chunk cut to a block's end is not a whole chunk
     return max(n - computed, 0)
 
 

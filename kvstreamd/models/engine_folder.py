@@ -47,8 +47,9 @@ def engine_folder(model: str | Path | None, out: str | Path, cache_dir: str | Pa
     tc = source / "tokenizer_config.json"
     if tc.is_file():
         tokenizer_config = json.loads(tc.read_text())
-    else:  # a GGUF's plain copy: its BOS/EOS are in its kvstreamd.json
-        special = json.loads((source / weights.COPY_META).read_text())
+    else:  # a GGUF's plain copy: its BOS/EOS are in its kvstreamd.json (a plain folder: none)
+        meta = source / weights.COPY_META
+        special = json.loads(meta.read_text()) if meta.is_file() else {}
         tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": special.get("bos"),
                             "eos_token": special.get("eos"), "add_bos_token": bool(special.get("bos"))}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
