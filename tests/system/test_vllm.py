@@ -5,60 +5,16 @@ prefill, put at the fp16 level), so a wrong paged layout could not hide behind a
 through the connector itself."""
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvstreamd import models
 from kvstreamd.lab import corpus
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
+from kvstreamd.lab.vllm_engine import Engine, connector_config
 from kvstreamd.models.engine_folder import engine_folder
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("KVSTREAMD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-DRIVER = Path(__file__).with_name("vllm_driver.py")
 CHUNK = 256
-NEW_TOKENS = 8
-
-
-class Engine:
-    """A vLLM engine in its own process (vllm_driver.py), asked for greedy tokens."""
-
-    def __init__(self, folder: Path, transfer: dict | None, log: Path):
-        if not VLLM_PYTHON.is_file():
-            pytest.fail(f"no vLLM environment at {VLLM_PYTHON}: `make install` builds it")
-        self.log = log
-        self.proc = subprocess.Popen([str(VLLM_PYTHON), str(DRIVER), str(folder), json.dumps(transfer) if transfer else ""],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                                     cwd=log.parent, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        self._read()  # {"ready": true} once the engine is built
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the vLLM engine exited ({self.proc.wait()}):\n{self.log.read_text()[-4000:]}")
-        return json.loads(line)
-
-    def generate(self, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def said(self, pattern: str) -> bool:
-        return re.search(pattern, self.log.read_text()) is not None
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def counter(daemon: DaemonProcess, name: str, **labels: str) -> float:
@@ -88,11 +44,11 @@ def world(lm, tmp_path_factory):
     docs = {name: ids[s:s + n] for name, s, n in (("held", 0, 4 * CHUNK), ("computed", 1500, 3 * CHUNK + 40),
                                                      ("damaged", 3000, 4 * CHUNK))}
     question = lm.tokenizer.encode(" Question: what is the text above about? Answer:")
-    plain = Engine(folder, None, root / "plain.log")
-    transfer = {"kv_connector": "KvstreamdConnector", "kv_connector_module_path": "kvstreamd.engines.vllm_connector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"socket": str(daemon.socket), "levels": ["fp16"]}}
-    connected = Engine(folder, transfer, root / "connected.log")
+    try:
+        plain = Engine(folder, None, root / "plain.log")
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+    connected = Engine(folder, connector_config(daemon.socket, levels=["fp16"]), root / "connected.log")
     yield {"lm": lm, "daemon": daemon, "docs": docs, "question": question, "plain": plain, "connected": connected}
     plain.close()
     connected.close()

@@ -1,5 +1,6 @@
-"""A vLLM engine driven by a test over stdin/stdout, one JSON object a line: run in vLLM's own
-environment (.venv-vllm), never imported by the tests. Its first argument is the model folder,
+"""A vLLM engine driven over stdin/stdout, one JSON object a line (lab/vllm_engine.py drives it):
+run as a script in vLLM's own environment (.venv-vllm), never imported by kvstreamd (with
+engines/vllm_connector.py, the only modules that import vLLM). Its first argument is the model folder,
 its second the --kv-transfer-config JSON ("" for none). Each request line is
 {"prompts": [[ids...], ...], "max_tokens": N}; each answer is {"tokens": [[ids...], ...],
 "seconds": [...]} with each prompt's time alone (run one at a time: its time to first token
