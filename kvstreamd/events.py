@@ -20,6 +20,8 @@ class FetchRequest:
     levels: list[str] | None = None  # accepted levels, best first; one alone: exactly that level
     recompute_tokens_per_s: float | None = None  # the model's prefill rate, to price TEXT chunks
     device: str = "cpu"  # "cuda": decode on the daemon's GPU and hand over device memory
+    # TEXT chunks only after every KV chunk: the caller holds a KV prefix, then computes (vLLM)
+    text_last: bool = False
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ class PeerConnection(asyncio.Protocol):
     def fetch(self, keys: list[bytes], deadline_ms: int, levels: list[str],
               decode_mbps: float | None = None, recompute_tps: float | None = None, *,
               stall_s: float | None = None, limit_s: float | None = None,
-              prefix_tokens: int | None = None, rule: str | None = None) -> FetchCall:
+              prefix_tokens: int | None = None, rule: str | None = None, text_last: bool = False) -> FetchCall:
         """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives).
         With `stall_s` the iterator gives up (FetchStalled) on a peer silent that long, with
         `limit_s` (FetchTimedOut) that many seconds from now; both send CANCEL (FetchCall)."""
@@ -198,7 +198,7 @@ class PeerConnection(asyncio.Protocol):
         call = FetchCall(self, req, self._taken, stall_s=stall_s, limit_s=limit_s)
         self._calls[req] = call
         self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps, recompute_tps, prefix_tokens,
-                             rule),
+                             rule, text_last or None),
                        self._loop.time())
         self._flush()
         return call

@@ -104,6 +104,9 @@ class Fetch(Message):
     # for an A/B experiment on the policy; a sender that does not know it ends the request with
     # ERROR bad_message. None: the sender's own (kvstreamd: "adaptive")
     rule: str | None = None
+    # TEXT only after every chunk sent as KV: the fetcher holds a KV prefix and then computes the
+    # rest (a serving engine such as vLLM, which cannot load KV after a hole). None/False: any order
+    text_last: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,10 @@ def _optional_positive_float(v: Any) -> float | None:
     return float(v)
 
 
+def _optional_bool(v: Any) -> bool | None:
+    return None if v is None else _bool(v)
+
+
 def _optional_uint(v: Any) -> int | None:
     return None if v is None else _uint(v)
 
@@ -354,7 +361,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
             "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
             "recompute_tps": _optional_positive_float, "prefix_tokens": _optional_uint,
-            "rule": _optional_str},
+            "rule": _optional_str, "text_last": _optional_bool},
     Chunk: {"req": _uint, "i": _uint, "level": _str, "payload": _bytes, "crc": _uint32, "key": _optional_key},
     Text: {"req": _uint, "i": _uint, "tokens": lambda v: _list(v, _uint)},
     Ack: {"req": _uint, "i": _uint, "recv_bytes": _uint},
@@ -364,7 +371,8 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Ping: {"time": _float, "pad": _optional_bytes},
     Pong: {"time": _float, "wall": _optional_float},
 }
-_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Fetch, "rule"), (Chunk, "key"),
+_OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Fetch, "rule"),
+             (Fetch, "text_last"), (Chunk, "key"),
              (Error, "req"), (Advertise, "levels"),
              (Ping, "pad"), (Pong, "wall")}  # may be absent on the wire (= nil)
 

@@ -32,6 +32,8 @@ class Situation:
     deadline_s: float  # seconds left until the deadline; <= 0 once it has passed
     backlog_s: float = 0.0  # receiver seconds of work already queued (sent, not yet decoded)
     inflight_bytes: int = 0  # bytes sent and not yet acknowledged
+    # TEXT chunks only after every KV chunk: the receiver holds a KV prefix, then computes (vLLM)
+    text_last: bool = False
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
@@ -120,6 +122,8 @@ def _finish(s: Situation, counts: np.ndarray, bandwidth: float) -> tuple[np.ndar
     # Johnson's rule, which minimises a two-stage pipeline's time: receiver-bound levels
     # first by link time ascending, then link-bound ones by receiver time descending.
     order = sorted(range(len(levels)), key=lambda j: (0, link[j]) if link[j] < work[j] else (1, -work[j]))
+    if s.text_last and TEXT in levels:  # a receiver that holds a KV prefix, then computes
+        order = [j for j in order if levels[j] != TEXT] + [levels.index(TEXT)]
     sent = np.full(len(counts), s.inflight_bytes / bandwidth)  # the link is through the plan so far
     done = np.full(len(counts), s.backlog_s)  # the receiver is through it
     for j in order:

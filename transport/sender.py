@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .bandwidth import BandwidthEstimator
-from .policy import Choice, Rule, Situation
+from .policy import TEXT, Choice, Rule, Situation
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,13 @@ class FetchSender:
 
     A deadline that passes is recorded, not ignored: the stream goes on at whatever the rule
     says once the deadline is lost, and `deadline_missed` reports it for the END message.
-    The deadline counts until the receiver has acknowledged every chunk."""
+    The deadline counts until the receiver has acknowledged every chunk. With `text_last`
+    (the receiver holds a KV prefix, then computes: vLLM), once a chunk goes as TEXT every
+    later one does too, and the rule plans TEXT after every KV chunk."""
 
     def __init__(self, req: int, chunks: int, sizes: Mapping[str, Sequence[int]], deadline_ms: float,
                  now: float, rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
-                 dppl: Mapping[str, float]) -> None:
+                 dppl: Mapping[str, float], text_last: bool = False) -> None:
         if chunks < 1:
             raise ValueError(f"request {req}: a stream needs at least one chunk, got {chunks}")
         wrong = {lv: len(s) for lv, s in sizes.items() if len(s) != chunks}
@@ -47,6 +49,7 @@ class FetchSender:
         self.estimator = estimator
         self.work_s = dict(work_s)
         self.dppl = dict(dppl)
+        self.text_last = text_last
         self.levels: list[str] = []  # the level of each chunk handed out, in order
         self.choices: list[Choice] = []  # the rule's answer for each, with its reason
         self.cancelled = False
@@ -75,17 +78,22 @@ class FetchSender:
                                "probe the link before the first chunk (needs_probe)")
         self.deadline_missed(now)
         i = len(self.levels)
+        if self.text_last and self.levels and self.levels[-1] == TEXT:
+            return self._hand_out(i, Choice(TEXT, 0.0, "text_last: after a TEXT chunk, the rest as TEXT"))
         situation = Situation(
             bandwidth=estimate, sizes={lv: s[i:] for lv, s in self.sizes.items()},
             work_s=self.work_s, dppl=self.dppl, deadline_s=self.deadline_at - now,
             # Chunks in flight still have their decode ahead of them at the receiver.
             backlog_s=max(0.0, self._receiver_free - now)
             + sum(self.work_s[c.level] for c in self._inflight.values()),
-            inflight_bytes=sum(c.bytes for c in self._inflight.values()))
+            inflight_bytes=sum(c.bytes for c in self._inflight.values()), text_last=self.text_last)
         choice = self.rule(situation)
         if choice.level not in self.sizes:
             raise ValueError(f"request {self.req}: the rule chose {choice.level!r}, "
                              f"not one of the levels on offer {list(self.sizes)}")
+        return self._hand_out(i, choice)
+
+    def _hand_out(self, i: int, choice: Choice) -> tuple[int, str]:
         self.levels.append(choice.level)
         self.choices.append(choice)
         self._inflight[i] = _InFlight(choice.level, self.sizes[choice.level][i])

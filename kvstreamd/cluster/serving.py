@@ -185,7 +185,7 @@ class Serving:
                                  rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
                                  on_sent=lambda i, lv, n: (self.metrics.chunks.labels(lv, "sent").inc(),
                                                            release(recs[i].key)),
-                                 count=held, level_of=level_of)
+                                 count=held, level_of=level_of, text_last=bool(fetch.text_last))
         if done.stopped_at is not None:
             self.metrics.error("fetch_not_found")
             i = done.stopped_at

@@ -272,7 +272,7 @@ class KvstreamdConnector(KVConnectorBase_V1):
         try:
             f = self._client(60.0).fetch(o.model_id, spec.tokens, o.deadline_ms,
                                          levels=list(o.levels) if o.levels else None,
-                                         recompute_tokens_per_s=o.recompute_tokens_per_s)
+                                         recompute_tokens_per_s=o.recompute_tokens_per_s, text_last=True)
             f.wait()
         except (OSError, ClientError, ValueError) as e:
             self._fetched.put((spec, None, f"{type(e).__name__}: {e}"))

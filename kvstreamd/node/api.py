@@ -28,7 +28,7 @@
                                      null. 507 disk_full/disk_error/store_full when a chunk could
                                      not be written or was refused: error.put is that reply
     POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?, device?,
-                                     recompute_tokens_per_s?} -> NDJSON events:
+                                     recompute_tokens_per_s?, text_last?} -> NDJSON events:
                                      start (the buffer to attach), chunk (one per chunk as it
                                      lands: kv or text), end (totals and per-stage timings)
     DELETE /v1/buffers/{name}        the client is done with a fetch's buffer
@@ -241,7 +241,7 @@ def fetch_request(body: dict) -> FetchRequest:
     if device not in ("cpu", "cuda"):
         raise _bad(f'device must be "cpu" or "cuda", not {_shown(device)}')
     return FetchRequest(_model_id(body), _tokens(body), _dtype(body), deadline_ms, _levels(body),
-                        recompute_tps, device)
+                        recompute_tps, device, _field(body, "text_last", bool, False))
 
 
 # -- handlers --------------------------------------------------------------------------------

@@ -396,7 +396,8 @@ class FetchJob:
                             decode_mbps=self.coder.rate(gpu=self.stages is not None),
                             recompute_tps=self.options.recompute_tokens_per_s,
                             stall_s=self._stall_s(peer, share), limit_s=max(left, 0.001),
-                            prefix_tokens=self._prefix_tokens, rule=self.options.rule)
+                            prefix_tokens=self._prefix_tokens, rule=self.options.rule,
+                            text_last=self.options.text_last)
         nbytes, sent = 0, 0  # positions of `share` received
         at = lambda: share[min(sent, len(share) - 1)]  # noqa: E731  the chunk it was to send next
         self._open.add(peer)

@@ -125,6 +125,12 @@ async def test_a_recompute_rate_that_is_not_positive_is_bad_request(api):
         assert await error_of(api, "POST", "/v1/fetch", body) == (400, "bad_request"), rate
 
 
+async def test_a_text_last_that_is_not_a_boolean_is_bad_request(api):
+    for value in (1, "yes", None):
+        body = {**GOOD_FETCH, "text_last": value}
+        assert await error_of(api, "POST", "/v1/fetch", body) == (400, "bad_request"), value
+
+
 async def test_an_unknown_route_or_method_is_a_json_error(api):
     assert await error_of(api, "GET", "/v1/nothing") == (404, "http")
     assert await error_of(api, "GET", "/v1/fetch") == (405, "http")

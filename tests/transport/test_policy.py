@@ -161,6 +161,19 @@ def test_recompute_wins_only_by_more_than_the_noise_of_the_measured_costs(high_d
     assert choice.level == level, choice.reason
 
 
+@pytest.mark.parametrize("rate,deadline_s", [(5, 20.0), (10, 10.0), (20, 6.0)])
+def test_with_text_last_a_plan_that_recomputes_sends_its_kv_chunks_first(rate, deadline_s):
+    # 4 chunks on a slow link: the best plan recomputes some, TEXT first (the receiver computes
+    # while the link carries the rest); a receiver that holds a KV prefix and then computes
+    # (text_last) is planned for as it runs, TEXT after every KV chunk, and gets KV first
+    s = situation(4, mbit(rate), deadline_s)
+    anywhere, last = adaptive_rule(s), adaptive_rule(Situation(**{**s.__dict__, "text_last": True}))
+    assert anywhere.level == TEXT, anywhere.reason
+    assert last.level != TEXT, last.reason
+    plan = last.reason.split(": ", 1)[1].split(" in ")[0]  # e.g. "2xbalanced + 2xtext"
+    assert TEXT not in plan or plan.endswith("x" + TEXT), plan
+
+
 def test_adaptive_rule_after_a_lost_deadline_finishes_at_the_best_quality():
     assert DPPL[adaptive_rule(situation(4, mbit(100), -1.0)).level] == 0.0
 
@@ -307,6 +320,19 @@ def test_an_ack_for_a_chunk_not_in_flight_is_an_error():
         s.on_ack(i, s.sizes[level][i], 0.0, 0.2)
     with pytest.raises(ValueError, match="not in flight"):
         s.on_ack(3, 1000, 0.0, 0.2)
+
+
+def test_with_text_last_every_chunk_after_a_text_chunk_goes_as_text():
+    wanted = ["high", TEXT, "high", "fast"]  # what a rule asks for, chunk by chunk
+    est = BandwidthEstimator()
+    est.add(1_000_000, 0.0, 1_000_000 / mbit(100))
+    sizes, work = traces.smollm2_chunks(4)
+    loose = FetchSender(7, 4, sizes, 5000, 0.0, fixed(wanted), est, work, DPPL)
+    strict = FetchSender(8, 4, sizes, 5000, 0.0, fixed(wanted), est, work, DPPL, text_last=True)
+    run(loose, 0.0, mbit(100))
+    run(strict, 0.0, mbit(100))
+    assert loose.levels == wanted
+    assert strict.levels == ["high", TEXT, TEXT, TEXT]
 
 
 def test_sender_will_not_guess_the_link_before_a_probe():

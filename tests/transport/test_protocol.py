@@ -350,6 +350,7 @@ def test_every_message_round_trips_through_the_wire():
     ({"t": "FETCH", "req": 1, "keys": [], "deadline_ms": 1, "levels": []}, "FETCH.keys"),
     ({"t": "FETCH", "req": 1, "keys": ["k"], "deadline_ms": 1, "levels": []}, "FETCH.keys: item 0"),
     ({"t": "FETCH", "req": 1, "keys": [K], "deadline_ms": 1, "levels": [], "prefix_tokens": -5}, "FETCH.prefix_tokens"),
+    ({"t": "FETCH", "req": 1, "keys": [K], "deadline_ms": 1, "levels": [], "text_last": 1}, "FETCH.text_last"),
     ({"t": "CHUNK", "req": 1, "i": True, "level": "h", "payload": b"", "crc": 0}, "CHUNK.i"),
     ({"t": "END", "req": 1, "status": "ok", "deadline_missed": 0}, "END.deadline_missed"),
     ({"t": "PING", "t2": 1}, "missing field 'time'"),
