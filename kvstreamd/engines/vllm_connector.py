@@ -20,11 +20,14 @@ The one module of kvstreamd that imports vLLM; load it with
   no connector), said in the log once per reason, never a failed request.
 - Backends: only those tested with kvstreamd (TESTED_BACKENDS) are used; another is a miss for
   every request, said once. vLLM gives a prefix and then computed tokens, so the plan is a KV
-  prefix then text; a hybrid model (sliding layers) is not served yet (a miss, said once)."""
+  prefix then text. A model with sliding-window layers (Gemma-3) gets its sliding layers filled for
+  the window before the loaded prefix's end only: vLLM reads no more of them.
+"""
 from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -110,8 +113,10 @@ class KvstreamdConnector(KVConnectorBase_V1):
         self._held: dict[str, int] = {}  # request -> tokens the local daemon holds (from its lookup)
         self._loads: dict[str, LoadSpec] = {}  # promised in get_num_new_matched_tokens, blocks set after alloc
         self._tracks: dict[str, _Track] = {}
-        self._hybrid = bool(getattr(vllm_config.model_config.hf_config, "sliding_window", None)) and \
-            len(set(getattr(vllm_config.model_config.hf_config, "layer_types", None) or ())) > 1
+        # vLLM gives a model with sliding-window layers one KV cache group (every layer a slot for
+        # every token) when its connector does not handle several; several groups are not served
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        self._groups = len(groups)
         # worker side
         self._caches: dict[str, torch.Tensor] = {}
         self._layers: dict[str, Any] = {}
@@ -133,9 +138,9 @@ class KvstreamdConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         tokens = list(request.prompt_token_ids or [])
         self._tracks[request.request_id] = _Track(tokens, [])
-        if self._hybrid:
-            self._once("hybrid", "kvstreamd: a model with sliding-window layers is not served through vLLM yet: "
-                       "every request is computed by vLLM")
+        if self._groups > 1:
+            self._once("groups", "kvstreamd: vLLM keeps this model's KV in %d cache groups; the connector serves one: "
+                       "every request is computed by vLLM", self._groups)
             return 0, False
         if not self._backend_ok():
             return 0, False
@@ -226,7 +231,8 @@ class KvstreamdConnector(KVConnectorBase_V1):
     # == worker side ===============================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self._caches = dict(kv_caches)
+        # in the model's layer order (the daemon's KV is [layer, ...]): "model.layers.7.self_attn.attn" is layer 7
+        self._caches = dict(sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0])))
         context = self._vllm_config.compilation_config.static_forward_context
         self._layers = {name: context[name] for name in self._caches if name in context}
         impls = {type(layer.impl).__name__ for layer in self._layers.values()}
@@ -348,13 +354,7 @@ class KvstreamdConnector(KVConnectorBase_V1):
                     break
                 loaded = ev.end
             if loaded > spec.start:
-                kv = f.kv  # [L, 2, found, H, D] in the daemon's shared memory
-                slots = self._slots(spec.block_ids, spec.start, loaded)
-                for layer, name in enumerate(self._caches):
-                    dtype = self._caches[name].dtype
-                    part = kv[layer, :, spec.start:loaded].to(dtype)
-                    self._writer(name)(part[0].contiguous(), part[1].contiguous(), slots)
-                del kv
+                loaded = self._fill(f, spec, loaded)
             if loaded < len(spec.tokens):
                 self._once("text", "kvstreamd: a fetch gave tokens %d.. as text (or not at all): vLLM computes "
                            "them (its errors: %s)", loaded, (f.end.errors if f.end else None))
@@ -364,8 +364,45 @@ class KvstreamdConnector(KVConnectorBase_V1):
                        "its tokens are recomputed", type(e).__name__, e)
             return spec.start
         finally:
-            f.release()
+            try:
+                f.release()
+            except Exception as e:  # noqa: BLE001  (a view left over: the mapping goes with it)
+                self._once("release", "kvstreamd: a fetch's buffer did not release cleanly: %s", e)
+
+    def _fill(self, f, spec: LoadSpec, loaded: int) -> int:
+        """Write tokens [spec.start, loaded) of the fetch into the paged cache, every layer
+        through the backend's write op (a sliding layer only its window: vLLM reads no more);
+        returns where the load ends (spec.start: nothing, when a sliding layer lacks its window)."""
+        prefix = f.prefix  # per layer, the tokens it holds: all, or a sliding layer's window of them
+        if prefix is None:
+            return spec.start
+        loaded = self._cut_to_windows(prefix, spec.start, loaded)
+        for layer, name in enumerate(self._caches):
+            first, kv = prefix.layer(layer)  # [2, T, H, D] of tokens [first, found)
+            lo = max(spec.start, first)
+            if lo < loaded:
+                part = kv[:, lo - first:loaded - first].to(self._caches[name].dtype)
+                self._writer(name)(part[0].contiguous(), part[1].contiguous(), self._slots(spec.block_ids, lo, loaded))
+        return loaded
+
+    @staticmethod
+    def _cut_to_windows(prefix, start: int, loaded: int) -> int:
+        """The tokens a load may end at: `loaded`, where every sliding layer holds the window
+        before it (the fetch ends past `loaded` when a text suffix followed: a window ends at
+        the fetch's end); else `start`, nothing loaded."""
+        for p in prefix.parts:
+            if p.window is not None and p.start > max(loaded - p.window, 0):
+                return start
+        return loaded
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
+
+
+def _layer_index(name: str) -> int:
+    """The layer number in a vLLM attention layer's name ("model.layers.7.self_attn.attn": 7)."""
+    m = re.search(r"\.(\d+)\.", name)
+    if m is None:
+        raise ValueError(f"no layer number in the attention layer name {name!r}")
+    return int(m.group(1))
