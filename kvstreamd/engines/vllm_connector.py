@@ -95,7 +95,8 @@ class _Track:
     tokens: list[int]
     block_ids: list[int]
     held_locally: int = 0
-    saved: bool = False
+    saved: bool = False  # its prefill is done: a save was decided on
+    save_sent: bool = False  # a SaveSpec went to the worker: vLLM keeps its blocks until it is read
 
 
 class KvstreamdConnector(KVConnectorBase_V1):
@@ -127,6 +128,11 @@ class KvstreamdConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._puts: queue.Queue = queue.Queue(maxsize=SAVE_QUEUE)
         self._putter: threading.Thread | None = None
+        # saves whose blocks vLLM holds for the read: read out (or dropped), and finished on the worker
+        self._saving: set[str] = set()
+        self._read_out: set[str] = set()
+        self._ended: set[str] = set()
+        self._save_lock = threading.Lock()
         log.info("kvstreamd connector (%s): model %s, daemon socket %s", role.name, self.options.model_id,
                  self.options.socket or "the default")
 
@@ -222,11 +228,14 @@ class KvstreamdConnector(KVConnectorBase_V1):
         n = plan.tokens_to_save(len(track.tokens), self._chunk_tokens, track.held_locally)
         if n and len(track.block_ids) * self.block_size >= n:
             meta.saves.append(SaveSpec(req_id, track.tokens[:n], track.block_ids[:-(-n // self.block_size)]))
+            track.save_sent = True
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._tracks.pop(request.request_id, None)
+        """True while its save is being read out of its blocks: vLLM frees them once the worker
+        reports it (get_finished), so a finished request's blocks are not reused under the read."""
+        track = self._tracks.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        return False, None
+        return bool(track is not None and track.save_sent), None
 
     # == worker side ===============================================================================
 
@@ -292,39 +301,56 @@ class KvstreamdConnector(KVConnectorBase_V1):
         return  # whole prompts are read after the forward of their last prefill step (wait_for_save)
 
     def wait_for_save(self):
+        """Hand each prompt whose prefill just ended to the put thread: its KV is read out of the
+        paged cache there (~1 s for 4096 SmolLM2 tokens on one core: not on the request's
+        path), while vLLM keeps the request's blocks (request_finished) until it is read."""
         if not self.has_connector_metadata():
             return
-        meta = self._get_connector_metadata()
-        if self._layout is None or self._refused:
-            return
-        for spec in meta.saves:
-            slots = self._slots(spec.block_ids, 0, len(spec.tokens))
-            kv = torch.stack([self._layout.gather(self._caches[name], slots) for name in self._caches])
-            self._put(spec, kv.to(torch.float16))
+        for spec in self._get_connector_metadata().saves:
+            self._saving.add(spec.req_id)
+            if self._layout is None or self._refused:
+                self._done_reading(spec.req_id)
+                continue
+            if self._putter is None:
+                self._putter = threading.Thread(target=self._putting, name="kvstreamd-put", daemon=True)
+                self._putter.start()
+            try:
+                self._puts.put_nowait(spec)
+            except queue.Full:
+                self._once("save_full", "kvstreamd: %d saves already wait for the daemon; prompts past them are "
+                           "not saved (a later request computes them)", SAVE_QUEUE)
+                self._done_reading(spec.req_id)
+
+    def _done_reading(self, req_id: str) -> None:
+        with self._save_lock:
+            self._read_out.add(req_id)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         t = torch.arange(start, end, dtype=torch.int64)
         blocks = torch.tensor(block_ids, dtype=torch.int64)
         return blocks[t // self.block_size] * self.block_size + t % self.block_size
 
-    def _put(self, spec: SaveSpec, kv: torch.Tensor) -> None:
-        if self._putter is None:
-            self._putter = threading.Thread(target=self._putting, name="kvstreamd-put", daemon=True)
-            self._putter.start()
-        try:
-            self._puts.put_nowait((spec, kv))
-        except queue.Full:
-            self._once("save_full", "kvstreamd: %d puts already wait for the daemon; prompts past them are not "
-                       "saved (a later request computes them)", SAVE_QUEUE)
-
     def _putting(self) -> None:
         while True:
-            spec, kv = self._puts.get()
+            spec = self._puts.get()
+            try:
+                slots = self._slots(spec.block_ids, 0, len(spec.tokens))
+                kv = torch.stack([self._layout.gather(self._caches[name], slots) for name in self._caches])
+                kv = kv.to(torch.float16)
+            except (RuntimeError, IndexError, ValueError) as e:
+                self._once(f"read:{type(e).__name__}", "kvstreamd: a prompt's KV could not be read out of the "
+                           "paged cache (%s: %s); it is not saved", type(e).__name__, e)
+                kv = None
+            finally:
+                self._done_reading(spec.req_id)  # its blocks may go back to vLLM
+            if kv is None:
+                continue
             try:
                 self._client(120.0).put(self.options.model_id, spec.tokens, kv)
             except (OSError, ClientError, ValueError) as e:
                 self._once(f"put:{type(e).__name__}", "kvstreamd: a put to the daemon failed (%s: %s); "
                            "prompts are not saved until it answers", type(e).__name__, e)
+            del kv
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done: set[str] = set()
@@ -339,7 +365,13 @@ class KvstreamdConnector(KVConnectorBase_V1):
             if loaded < len(spec.tokens):
                 bad = plan.blocks_of(loaded, len(spec.tokens), self.block_size)
                 self._load_errors.update(spec.block_ids[i] for i in bad)
-        return None, (done or None)
+        with self._save_lock:  # saves read out of requests that have finished: their blocks may go
+            self._ended |= finished_req_ids & self._saving
+            sent = self._read_out & self._ended
+            self._read_out -= sent
+            self._ended -= sent
+            self._saving -= sent
+        return (sent or None), (done or None)
 
     def _write(self, spec: LoadSpec, f, why: str | None) -> int:
         """Write the fetched chunks into the paged cache, up to the first that is not KV; the

@@ -47,15 +47,19 @@ def world(request, lm, tmp_path_factory):
     docs = {name: ids[s:s + n] for name, s, n in (("held", 0, 4 * CHUNK), ("computed", 1500, 3 * CHUNK + 40),
                                                      ("damaged", 3000, 4 * CHUNK))}
     question = lm.tokenizer.encode(" Question: what is the text above about? Answer:")
+    engines = []
     try:
-        plain = Engine(folder, None, root / "plain.log")
-    except FileNotFoundError as e:
-        pytest.fail(str(e))
-    connected = Engine(folder, connector_config(daemon.socket, levels=["fp16"]), root / "connected.log")
-    yield {"lm": lm, "daemon": daemon, "docs": docs, "question": question, "plain": plain, "connected": connected}
-    plain.close()
-    connected.close()
-    daemon.stop()
+        try:
+            engines.append(Engine(folder, None, root / "plain.log"))
+        except FileNotFoundError as e:
+            pytest.fail(str(e))
+        engines.append(Engine(folder, connector_config(daemon.socket, levels=["fp16"]), root / "connected.log"))
+        plain, connected = engines
+        yield {"lm": lm, "daemon": daemon, "docs": docs, "question": question, "plain": plain, "connected": connected}
+    finally:
+        for engine in engines:
+            engine.close()
+        daemon.stop()
 
 
 def put_from_hf(world, tokens: list[int]) -> list[bytes]:
