@@ -8,10 +8,14 @@ greedy tokens, sooner.
 What "sooner" compares: each prompt's time to first token (the first event of a streamed
 completion) on server 2, which loads the four chunks, against server 1's for the same prompt,
 which computed it all itself (its lookup missed: no daemon held any of it, checked). That is the
-"without kvstreamd" time of the same prompt on the same build of vLLM. Both servers first
+"without kvstreamd" time of the same prompt on the same build of vLLM, plus the connector's
+read-out of the chunks it saves (in the step that gives the first token). Both servers first
 compute a warm-up prompt of the same length, and no request is timed while a daemon still encodes
-an earlier put, so neither side pays for start-up or for the other's work. Of three prompts each
-side's fastest is compared (the machine is shared: other load only adds time)."""
+an earlier put, so neither side pays for start-up or for the other's work. Each prompt goes to
+server 1 and then, seconds later, to server 2, so the two times of a prompt share the shared
+machine's load; the median of the three prompts' ratios must be under SOONER. Plain "sooner"
+would not do: with server 2 computing too (no connector) its first tokens came at 0.90 of server
+1's (median ratio; fastest 0.98), as server 1 also pays for its save, and loading gave 0.33-0.64."""
 from __future__ import annotations
 
 import statistics
@@ -29,6 +33,7 @@ DOC = 4 * CHUNK  # a document of four whole chunks: the prefix server 2 loads
 PROMPTS = 3  # timed prompts (each side's fastest is compared)
 NEW_TOKENS = 8
 LEVEL = "high"  # the level the fetch asks for: the same KV, so the same greedy tokens, on every run
+SOONER = 0.8  # server 2's time to first token over server 1's, at most (see above)
 HELD_S = 120  # a put encoded, or a peer's chunks advertised, within this (a loaded machine)
 
 
@@ -107,7 +112,8 @@ def served(world):
         wait_for(lambda: held(daemon, mid, warmup, "local") == DOC, HELD_S, what="the warm-up prompt put")
     before = {"received": counter(b, "kvstreamd_chunks_total", direction="received", level=LEVEL),
               "bytes": counter(b, "kvstreamd_peer_bytes_total", direction="in", peer="a"),
-              "already_held": counter(b, "kvstreamd_put_chunks_total", outcome="already_held")}
+              "already_held": counter(b, "kvstreamd_put_chunks_total", outcome="already_held"),
+              "fetch_s": counter(b, "kvstreamd_fetch_seconds_sum")}
     out = []
     for i, prompt in enumerate(world["prompts"]):
         missed = a.client().lookup(mid, prompt)["found_tokens"] == 0  # server 1's lookup finds nothing
@@ -120,7 +126,8 @@ def served(world):
                  >= before["already_held"] + DOC // CHUNK * (i + 1), HELD_S, what="server 2's put of the prompt")
         out.append({"missed": missed, "one": first, "two": second})
     after = {"received": counter(b, "kvstreamd_chunks_total", direction="received", level=LEVEL),
-             "bytes": counter(b, "kvstreamd_peer_bytes_total", direction="in", peer="a")}
+             "bytes": counter(b, "kvstreamd_peer_bytes_total", direction="in", peer="a"),
+             "fetch_s": counter(b, "kvstreamd_fetch_seconds_sum")}
     return {"prompts": out, "before": before, "after": after}
 
 
@@ -142,9 +149,9 @@ def test_server_two_answers_sooner_than_server_one_computing_the_same_prompt(ser
     assert all(p["missed"] for p in served["prompts"]), "server 1 must compute each prompt itself"
     one = [p["one"]["ttft"] for p in served["prompts"]]
     two = [p["two"]["ttft"] for p in served["prompts"]]
-    ratio = min(two) / min(one)
+    ratio = statistics.median(t2 / t1 for t1, t2 in zip(one, two))
     print(f"time to first token, {DOC} of {len(served['prompts'][0]['one']['prompt'])} prompt tokens loaded: "
           f"server 1 computing {[round(t, 3) for t in one]} s, server 2 loading {[round(t, 3) for t in two]} s; "
-          f"fastest {min(two):.3f} / {min(one):.3f} = {ratio:.2f} (median ratio "
-          f"{statistics.median(t2 / t1 for t1, t2 in zip(one, two)):.2f})")
-    assert min(two) < min(one), f"server 2 (loading) was not sooner than server 1 (computing): ratio {ratio:.2f}"
+          f"median ratio {ratio:.2f} (fastest {min(two):.3f} / {min(one):.3f} = {min(two) / min(one):.2f}); "
+          f"daemon 2's fetches took {(served['after']['fetch_s'] - served['before']['fetch_s']) / len(two):.3f} s each")
+    assert ratio < SOONER, f"server 2 (loading) answered at {ratio:.2f} of server 1's time (computing), not < {SOONER}"
