@@ -1,17 +1,27 @@
 """A real vLLM engine in a process of its own (lab/vllm_driver.py run by vLLM's environment,
-.venv-vllm, which `make install` builds), asked for greedy tokens: what the vLLM tests and
-`kvstreamd bench vllm` drive. kvstreamd itself never imports vLLM."""
+.venv-vllm, which `make install` builds), asked for greedy tokens, and a real OpenAI-compatible
+vLLM server: what the vLLM tests and `kvstreamd bench vllm` drive. kvstreamd itself never
+imports vLLM."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+
+from .daemons import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 NEW_TOKENS = 8
+# vLLM's CPU backend on this machine's loopback, with a KV cache that fits beside another engine
+VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+SERVER_START_S = 180  # a server builds in 20-40 s on an idle machine; far longer on a loaded one
 
 
 def vllm_python() -> Path:
@@ -70,3 +80,105 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Server:
+    """One OpenAI-compatible vLLM server on 127.0.0.1 (its model folder, a connector config or
+    None), its stdout and stderr in `log`. It is run as vLLM's api_server module: the `vllm`
+    command of vllm-cpu cannot start (it asks for the version of a package named "vllm", which
+    vllm-cpu is not); the module takes the same arguments as `vllm serve`."""
+
+    def __init__(self, folder: Path, transfer: dict | None, log: Path, port: int | None = None,
+                 env: dict | None = None, args: list[str] | None = None):
+        self.folder, self.log = Path(folder), Path(log)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.folder),
+                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "4096",
+                     "--enforce-eager", "--no-enable-prefix-caching", *(args or [])]
+        if transfer:
+            self.argv += ["--kv-transfer-config", json.dumps(transfer)]
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **VLLM_ENV, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: float = SERVER_START_S) -> "Server":
+        python = vllm_python()
+        if not python.is_file():
+            raise FileNotFoundError(f"no vLLM environment at {python}: `make install` builds it")
+        with open(self.log, "ab") as log:
+            # a session of its own: its engine-core process is stopped with it (stop)
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         cwd=self.log.parent, start_new_session=True)
+        if wait:
+            self.wait_ready(wait)
+        return self
+
+    def wait_ready(self, timeout: float = SERVER_START_S) -> None:
+        """Until GET /health answers 200; the log's tail in the error if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the vLLM server did not answer /health within {timeout} s:\n{self.tail()}")
+
+    def post(self, path: str, body: dict, timeout: float = 300.0) -> dict:
+        """POST a JSON body; the JSON answer."""
+        with urllib.request.urlopen(self._request(path, body), timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stream(self, path: str, body: dict, timeout: float = 300.0):
+        """POST with "stream": true; yields (seconds since the request was sent, event) per
+        server-sent event, up to [DONE]."""
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(self._request(path, {**body, "stream": True}), timeout=timeout) as r:
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[len(b"data:"):].strip()
+                if data == b"[DONE]":
+                    return
+                yield time.perf_counter() - t0, json.loads(data)
+
+    def _request(self, path: str, body: dict) -> urllib.request.Request:
+        return urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                      headers={"Content-Type": "application/json"})
+
+    def said(self, pattern: str) -> bool:
+        """Its log (vLLM's and the connector's lines) matches `pattern`."""
+        return re.search(pattern, self.log.read_text(errors="replace")) is not None
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (vLLM stops its engine core), then SIGKILL to the server's whole session;
+        returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its session (an orphaned engine core)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
