@@ -159,6 +159,9 @@ class KvstreamdConnector(KVConnectorBase_V1):
             return 0, False
         end = num_computed_tokens + n
         self._loads[request.request_id] = LoadSpec(request.request_id, tokens[:end], num_computed_tokens, [])
+        # the local daemon holds what it fetched for this load (its [store] keep_fetched), or a peer
+        # does: either way the prefix is not put again
+        self._tracks[request.request_id].held_locally = max(local, end)
         return n, True
 
     def _backend_ok(self) -> bool:

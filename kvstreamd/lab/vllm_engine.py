@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 NEW_TOKENS = 8
 # vLLM's CPU backend on this machine's loopback, with a KV cache that fits beside another engine
-VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache
 SERVER_START_S = 180  # a server builds in 20-40 s on an idle machine; far longer on a loaded one
 
 
