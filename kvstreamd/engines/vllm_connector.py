@@ -53,6 +53,10 @@ log = logging.getLogger("vllm.kvstreamd")  # under vLLM's logger: its handlers p
 # Attention implementations whose cache-write op and layout this connector was tested with.
 TESTED_BACKENDS = ("CPUAttentionBackendImpl",)
 SAVE_QUEUE = 4  # puts waiting for the daemon; a save past that is dropped (a later miss), said once
+# A fetch whose daemon sends no event for this long failed (a daemon held up; one that dies closes
+# the socket at once): its tokens are recomputed. The daemon itself gives up on a silent peer
+# after [fetch] stall_s (2 s), so a live fetch is never this quiet.
+FETCH_IDLE_S = 10.0
 
 
 @dataclass
@@ -111,7 +115,6 @@ class KvstreamdConnector(KVConnectorBase_V1):
         self._once = _Once()
         # scheduler side
         self._chunk_tokens: int | None = None
-        self._held: dict[str, int] = {}  # request -> tokens the local daemon holds (from its lookup)
         self._loads: dict[str, LoadSpec] = {}  # promised in get_num_new_matched_tokens, blocks set after alloc
         self._tracks: dict[str, _Track] = {}
         # vLLM gives a model with sliding-window layers one KV cache group (every layer a slot for
@@ -288,7 +291,7 @@ class KvstreamdConnector(KVConnectorBase_V1):
             return
         o = self.options
         try:
-            f = self._client(60.0).fetch(o.model_id, spec.tokens, o.deadline_ms,
+            f = self._client(FETCH_IDLE_S).fetch(o.model_id, spec.tokens, o.deadline_ms,
                                          levels=list(o.levels) if o.levels else None,
                                          recompute_tokens_per_s=o.recompute_tokens_per_s, text_last=True)
             f.wait()
