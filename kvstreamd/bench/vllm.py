@@ -141,7 +141,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
                     root / "b-fp16.log") as e:
             _warm_up(e, warm + question)
             _measure(e, "fp16", h.b, docs, question, rows, log)
-        said = {name: [ln for ln in (root / f"{name}.log").read_text().splitlines() if "kvstreamd" in ln][-20:]
+        said = {name: [ln for ln in (root / f"{name}.log").read_text().splitlines() if "vllm_connector.py" in ln][-20:]
                 for name in ("a", "b-vllm", "b-kvstreamd", "b-fp16")}
     for (r, m), row in rows.items():
         ref = rows[(r, "vllm")]
