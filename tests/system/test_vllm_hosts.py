@@ -70,7 +70,7 @@ def world(lm, tmp_path_factory):
                      timeout=120, what="b to see the chunks a's vLLM put")
         b_engine = Engine(folder, connector_config(b.socket, levels=["fp16"], deadline_ms=FETCH_DEADLINE_MS,
                                                    save=False), root / "b.log", ENGINE_ENV)
-        yield {"link": link, "a": a, "b": b, "b_engine": b_engine,
+        yield {"lm": lm, "link": link, "a": a, "b": b, "b_engine": b_engine,
                "prompts": [doc + question for doc in docs], "computed": computed}
     finally:
         if b_engine is not None:
@@ -96,7 +96,9 @@ def test_a_document_host_as_vllm_computed_is_fetched_over_the_link_and_host_b_an
     # every chunk came from a over the link, as KV at fp16: none was recomputed
     assert counter(a, "kvstreamd_chunks_total", direction="sent", level="fp16") - sent == DOC // CHUNK
     assert counter(b, "kvstreamd_chunks_total", direction="received", level="fp16") - received == DOC // CHUNK
-    assert counter(b, "kvstreamd_fetch_bytes_total") - wire > DOC * 30 * 2 * 3 * 64 * 2 * 0.9  # ~fp16 KV's size
+    lm = world["lm"]
+    fp16_bytes = DOC * lm.num_layers * 2 * lm.num_kv_heads * lm.head_dim * 2
+    assert counter(b, "kvstreamd_fetch_bytes_total") - wire > 0.9 * fp16_bytes
     assert not world["b_engine"].said(r"kvstreamd: a fetch failed|as text \(or not at all\)")
 
 
