@@ -106,6 +106,19 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_vllm(args: argparse.Namespace) -> int:
+    from . import vllm as bench
+
+    try:
+        report = bench.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], runs=args.runs,
+                           chunk_tokens=args.chunk_tokens, model=args.model, json_path=args.json)
+    except bench.NotServed as e:
+        print(f"kvstreamd bench vllm: {e}", file=sys.stderr)
+        return 2
+    _report(bench.table(report), args.json)
+    return 0 if all(bench.floors(report).values()) else 1
+
+
 def _bench_gpu(args: argparse.Namespace) -> int:
     from . import gpu as bench
 
@@ -228,6 +241,16 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     be.add_argument("--plot", default="bench-out/e2e.png")
     be.add_argument("--quiet", action="store_true", help="no progress bars")
     be.set_defaults(func=_bench_e2e)
+
+    bv = bsub.add_parser("vllm", help="TTFT of a real vLLM on host b for a document host a's vLLM computed: "
+                                      "vLLM's own prefill, kvstreamd, raw fp16 KV (needs .venv-vllm)")
+    model_option(bv)
+    bv.add_argument("--bandwidth", default="100mbit", help="the link's rate, e.g. 100mbit")
+    bv.add_argument("--tokens", type=int, default=4096, help="the document's tokens (the question follows)")
+    bv.add_argument("--runs", type=int, default=3, help="documents, a fresh one each run (medians are reported)")
+    bv.add_argument("--chunk-tokens", type=int, default=256, help="the daemons' chunk size")
+    bv.add_argument("--json", default="bench-out/vllm.json")
+    bv.set_defaults(func=_bench_vllm)
 
     bf = bsub.add_parser("fanout", help="one context from several holders at once, each behind its own shaped "
                                         "link, against one holder (needs root: network namespaces)")

@@ -63,18 +63,20 @@ class Hosts:
 
 
 @contextmanager
-def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0):
-    """Two daemons, a and b, peers of each other; in two namespaces if it can make them."""
+def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0, b_keeps_fetched: bool = True):
+    """Two daemons, a and b, peers of each other; in two namespaces if it can make them.
+    `b_keeps_fetched=False`: b stores nothing it fetched, so every fetch of a's context crosses the link."""
     ok, why = netns.available()
     link = netns.Link().up() if ok else None
     extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers},
              "store": {"memory_budget": "2GiB", "disk_budget": 0}}
+    extra_b = {**extra, "store": {**extra["store"], "keep_fetched": b_keeps_fetched}}
     if link is not None:
         a = DaemonProcess("host-a", root / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)
-        b = DaemonProcess("host-b", root / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra)
+        b = DaemonProcess("host-b", root / "b", host=link.addr["b"], netns=link.command("b", []), extra=extra_b)
     else:
         a = DaemonProcess("host-a", root / "a", extra=extra)
-        b = DaemonProcess("host-b", root / "b", extra=extra)
+        b = DaemonProcess("host-b", root / "b", extra=extra_b)
     a.peers, b.peers = [b.addr], [a.addr]
     try:
         a.start(wait=0)

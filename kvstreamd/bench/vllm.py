@@ -1,0 +1,199 @@
+"""`kvstreamd bench vllm`: kvstreamd under a real vLLM on two hosts. Two daemons in two network
+namespaces joined by a tbf-shaped veth pair (e2e.hosts), a vLLM engine beside each (the engines
+run in the root namespace: they reach their daemon over its Unix socket). Host a's vLLM computes
+a WikiText-2 document and its connector puts the whole chunks into a's daemon -- the KV host b
+loads is vLLM's own. Host b then answers document + question three ways, one prompt at a time,
+time to first token (max_tokens=1) and the 8 greedy tokens (max_tokens=8, a separate call):
+
+- vllm: b's engine without a connector, vLLM's own prefill of the whole prompt (vLLM as it is
+  run today; a connected engine on a document nobody holds would add its lookup and its put);
+- kvstreamd: b's connected engine, the daemons' adaptive levels under a deadline of 500 ms per
+  1024 tokens;
+- fp16: b's connected engine, connector levels ["fp16"]: raw KV, whatever it takes.
+
+b's daemon keeps nothing it fetched and b's engines put nothing, so every call crosses the link;
+vLLM's prefix caching is off in every engine. One engine runs at a time (a's first, then b's
+three in turn, each after a warm-up request on a document nobody holds): each holds ~3.5 GB.
+Bytes and levels are b's daemon's metrics."""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .. import models
+from ..lab import corpus
+from ..lab.daemons import DaemonProcess, wait_for
+from ..lab.vllm_engine import NEW_TOKENS, Engine, connector_config
+from ..models.engine_folder import engine_folder
+from . import e2e, write_json
+
+METHODS = ["vllm", "kvstreamd", "fp16"]
+CHUNK_TOKENS = 256
+FP16_DEADLINE_MS = e2e.BASELINE_DEADLINE_MS  # raw KV moves whole, however long it takes
+PUT_WAIT_S = 300  # a's daemon encodes every stored level of every chunk before b can see them
+
+
+class NotServed(Exception):
+    """A model the connector does not serve (yet): the bench would measure vLLM against itself."""
+
+
+def _counter(d: DaemonProcess, name: str, **labels: str) -> dict[str, float]:
+    """A daemon's series of metric `name` (with these labels), keyed by their label text."""
+    out = {}
+    for line in d.client().metrics().splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            series, value = line.rsplit(" ", 1)
+            out[series[len(name):]] = float(value)
+    return out
+
+
+def _snapshot(b: DaemonProcess) -> dict:
+    return {"bytes": sum(_counter(b, "kvstreamd_fetch_bytes_total").values()),
+            "fetch_s": sum(_counter(b, "kvstreamd_fetch_seconds_sum").values()),
+            "fetches": sum(_counter(b, "kvstreamd_fetch_seconds_count").values()),
+            "chunks": {k.split('level="')[1].split('"')[0]: v
+                       for k, v in _counter(b, "kvstreamd_fetch_chunks_total").items()}}
+
+
+def _since(before: dict, after: dict) -> dict:
+    """What b's daemon did between two snapshots: wire bytes, fetch seconds, chunks per level."""
+    levels = {lv: int(n - before["chunks"].get(lv, 0)) for lv, n in after["chunks"].items()
+              if n - before["chunks"].get(lv, 0) > 0}
+    return {"bytes": int(after["bytes"] - before["bytes"]), "fetches": int(after["fetches"] - before["fetches"]),
+            "daemon_fetch_s": round(after["fetch_s"] - before["fetch_s"], 3), "levels": levels}
+
+
+def _call(engine: Engine, b: DaemonProcess, prompt: list[int], max_tokens: int) -> dict:
+    before = _snapshot(b)
+    out = engine.generate([prompt], max_tokens=max_tokens)
+    return {"seconds": out["seconds"][0], "tokens": out["tokens"][0], **_since(before, _snapshot(b))}
+
+
+def _warm_up(engine: Engine, prompt: list[int]) -> float:
+    """An engine's first request (a document nobody holds: computed by vLLM) is off the clock;
+    its seconds."""
+    return engine.generate([prompt], max_tokens=1)["seconds"][0]
+
+
+def _measure(engine: Engine, method: str, b: DaemonProcess, docs: list[list[int]], question: list[int],
+             rows: dict, log) -> None:
+    """Each document + question on b by one method: TTFT (max_tokens=1), then the 8 tokens."""
+    for r, doc in enumerate(docs):
+        first = _call(engine, b, doc + question, 1)
+        eight = _call(engine, b, doc + question, NEW_TOKENS)
+        rows[(r, method)].update(tokens=len(doc), prompt_tokens=len(doc + question), ttft_s=first["seconds"],
+                                 first=first, eight=eight)
+        log(f"  {method:10} document {r + 1}: TTFT {first['seconds']:.2f} s, {first['bytes'] / 1e6:.1f} MB, "
+            f"levels {first['levels']}, b's daemon's fetch {first['daemon_fetch_s']:.2f} s")
+
+
+def documents(lm, tokens: int, count: int) -> tuple[list[list[int]], list[int]]:
+    """`count` contexts (a user turn opening with a test.txt window, `tokens` in all) and the
+    question that closes the turn: the e2e bench's prompts."""
+    question = lm.tokenizer.encode(lm.spec.turn_close)
+    head = lm.tokenizer.document(lm.spec.turn_open)
+    return [head + w[:tokens - len(head)] for w in corpus.windows(lm.tokenizer, "test", count, tokens - len(head))], \
+        question
+
+
+def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_tokens: int = CHUNK_TOKENS,
+        model: str | None = None, json_path: str | None = None, log=print) -> dict:
+    lm = models.load(model)
+    if not lm.layout.is_dense:
+        raise NotServed(f"{lm.model_id} has sliding-window layers: the vLLM connector does not serve a hybrid model "
+                        "yet (every request is a miss, computed by vLLM), so there is nothing to compare")
+    # a warm-up document first: it times vLLM's own prefill, the rate the adaptive rule prices TEXT at
+    docs, question = documents(lm, tokens, runs + 1)
+    warm, docs = docs[0], docs[1:]
+    deadline_ms = round(e2e.DEADLINE_MS_PER_1K * tokens / 1024)
+    with tempfile.TemporaryDirectory(prefix="kvstreamd-bvllm-") as tmp, \
+            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False) as (h, why_not):
+        root = Path(tmp)
+        if why_not:
+            log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
+                "unshaped, so --bandwidth has no effect")
+        h.shape(bandwidth_mbit)
+        folder = engine_folder(model, root / "model")
+        rows = {(r, m): {"run": r, "method": m} for r in range(runs) for m in METHODS}
+        # One engine at a time (each holds ~3.5 GB; the others are closed, not idle beside it).
+        log("host a's vLLM computes the documents; its connector puts them into a's daemon")
+        with Engine(folder, connector_config(h.a.socket), root / "a.log") as a:
+            for r, doc in enumerate(docs):
+                t0 = time.perf_counter()
+                a.generate([doc], max_tokens=1)
+                held = len(doc) - len(doc) % chunk_tokens
+                wait_for(lambda: h.b.client().lookup(lm.model_id, doc + question)["found_tokens"] >= held,
+                         timeout=PUT_WAIT_S, interval=0.5, what="b to see a's chunks")
+                log(f"  document {r + 1}/{runs} ({len(doc)} tokens): computed and put in "
+                    f"{time.perf_counter() - t0:.1f} s")
+        with Engine(folder, None, root / "b-vllm.log") as plain:
+            t = _warm_up(plain, warm + question)
+            prefill_tps = len(warm + question) / t
+            log(f"vLLM's own prefill on b: {prefill_tps:.0f} tokens/s (a warm-up of {len(warm + question)} tokens)")
+            _measure(plain, "vllm", h.b, docs, question, rows, log)
+        with Engine(folder, connector_config(h.b.socket, save=False, deadline_ms=deadline_ms,
+                                             recompute_tokens_per_s=prefill_tps), root / "b-kvstreamd.log") as e:
+            _warm_up(e, warm + question)
+            _measure(e, "kvstreamd", h.b, docs, question, rows, log)
+        with Engine(folder, connector_config(h.b.socket, save=False, levels=["fp16"], deadline_ms=FP16_DEADLINE_MS),
+                    root / "b-fp16.log") as e:
+            _warm_up(e, warm + question)
+            _measure(e, "fp16", h.b, docs, question, rows, log)
+        said = {name: [ln for ln in (root / f"{name}.log").read_text().splitlines() if "vllm_connector.py" in ln][-20:]
+                for name in ("a", "b-vllm", "b-kvstreamd", "b-fp16")}
+    for (r, m), row in rows.items():
+        ref = rows[(r, "vllm")]
+        row["first_token_match"] = row["first"]["tokens"] == ref["first"]["tokens"]
+        row["tokens_match"] = row["eight"]["tokens"] == ref["eight"]["tokens"]
+    report = {"model": lm.model_id, "shaped": h.shaped, "bandwidth_mbit": bandwidth_mbit, "tokens": tokens,
+              "chunk_tokens": chunk_tokens, "deadline_ms": deadline_ms, "vllm_prefill_tokens_per_s": prefill_tps,
+              "generate": NEW_TOKENS, "results": summarise(list(rows.values())), "runs": list(rows.values()),
+              "connector_log_lines": said}
+    write_json(report, json_path)
+    return report
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    base = statistics.median(r["ttft_s"] for r in rows if r["method"] == "vllm")
+    out = []
+    for method in METHODS:
+        rs = [r for r in rows if r["method"] == method]
+        ttft = statistics.median(r["ttft_s"] for r in rs)
+        out.append({"method": method, "runs": len(rs), "ttft_s": round(ttft, 3), "speed_up": round(base / ttft, 2),
+                    "ttft_runs_s": [round(r["ttft_s"], 3) for r in rs],
+                    "eight_s": round(statistics.median(r["eight"]["seconds"] for r in rs), 3),
+                    "bytes": int(statistics.median(r["first"]["bytes"] for r in rs)),
+                    "daemon_fetch_s": round(statistics.median(r["first"]["daemon_fetch_s"] for r in rs), 3),
+                    "first_token_match": [r["first_token_match"] for r in rs],
+                    "tokens_match": [r["tokens_match"] for r in rs]})
+    return out
+
+
+def floors(report: dict) -> dict[str, bool]:
+    """The issue's floor for kvstreamd on the second vLLM: TTFT at least 3x lower than vLLM's
+    own prefill, the first token equal in every run, all 8 in at least 90% of runs."""
+    k = next(r for r in report["results"] if r["method"] == "kvstreamd")
+    return {"ttft_3x": k["speed_up"] >= 3.0, "first_token_every_run": all(k["first_token_match"]),
+            "eight_tokens_90pct": sum(k["tokens_match"]) / len(k["tokens_match"]) >= 0.9}
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['model']}, {report['tokens']}-token documents computed by host a's vLLM, "
+             f"{report['bandwidth_mbit']:g} Mbit/s" + ("" if report["shaped"] else " [loopback: not shaped]")
+             + f", chunks of {report['chunk_tokens']}, deadline {report['deadline_ms']} ms",
+             f"{'method':10} {'TTFT s':>7} {'speed-up':>8} {'8 tokens s':>10} {'MB moved':>8} {'daemon fetch s':>14} "
+             f"{'1st token = vllm':>16} {'8 tokens = vllm':>15}"]
+    for r in report["results"]:
+        first = "".join("y" if m else "n" for m in r["first_token_match"])
+        eight = "".join("y" if m else "n" for m in r["tokens_match"])
+        lines.append(f"{r['method']:10} {r['ttft_s']:>7.2f} {r['speed_up']:>7.2f}x {r['eight_s']:>10.2f} "
+                     f"{r['bytes'] / 1e6:>8.1f} {r['daemon_fetch_s']:>14.2f} {first:>16} {eight:>15}")
+    lines.append(f"medians of {report['results'][0]['runs']} runs (a fresh document each); per-run matches y/n "
+                 "against vLLM's own tokens; daemon fetch: b's daemon's time from the fetch to its last chunk")
+    lines.append("floors: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in floors(report).items()))
+    return "\n".join(lines)
+
+
+__all__ = ["run", "table", "floors", "NotServed", "documents"]
