@@ -21,7 +21,6 @@ import torch
 
 from kvstreamd.client import AsyncClient
 from kvstreamd.lab.redisserver import RedisServer
-from kvstreamd.node.fetch import grace_s
 from tests.fixtures import (MODEL, SECRET, ScriptedPeer, client, context, decoded, encoded, keys_of, sees,
                              stored, until)
 from transport.events import FetchReceived

@@ -7,7 +7,6 @@ itself."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvstreamd import models
 from kvstreamd.lab import corpus
