@@ -39,12 +39,14 @@ def connector_config(socket: str | Path, **extra) -> dict:
 class Engine:
     """One vLLM engine (its model folder, a connector config or None), built when made (20-40 s)."""
 
-    def __init__(self, folder: Path, transfer: dict | None, log: Path, env: dict | None = None):
+    def __init__(self, folder: Path, transfer: dict | None, log: Path, env: dict | None = None,
+                 max_model_len: int = 8192):
         python = vllm_python()
         if not python.is_file():
             raise FileNotFoundError(f"no vLLM environment at {python}: `make install` builds it")
         self.log = Path(log)
-        self.proc = subprocess.Popen([str(python), str(DRIVER), str(folder), json.dumps(transfer) if transfer else ""],
+        self.proc = subprocess.Popen([str(python), str(DRIVER), str(folder), json.dumps(transfer) if transfer else "",
+                                      str(max_model_len)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "w"),
                                      text=True, cwd=self.log.parent,
                                      env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
