@@ -9,11 +9,13 @@ time to first token (max_tokens=1) and the 8 greedy tokens (max_tokens=8, a sepa
   run today; a connected engine on a document nobody holds would add its lookup and its put);
 - kvstreamd: b's connected engine, the daemons' adaptive levels under a deadline of 500 ms per
   1024 tokens;
-- fp16: b's connected engine, connector levels ["fp16"]: raw KV, whatever it takes.
+- fp16: b's connected engine, connector levels ["fp16"]: raw KV, whatever it takes;
+- and a miss: TTFT for documents nobody holds, by b's engine without a connector and by one with
+  it as deployed (its lookup finds nothing; it puts the prompt afterwards): what a miss costs.
 
-b's daemon keeps nothing it fetched and b's engines put nothing, so every call crosses the link;
+b's daemon keeps nothing it fetched and b's engines for the three methods put nothing, so every call crosses the link;
 vLLM's prefix caching is off in every engine. One engine runs at a time (a's first, then b's
-three in turn, each after a warm-up request on a document nobody holds): each holds ~3.5 GB.
+four in turn, each after a warm-up request on a document nobody holds): each holds ~3.5 GB.
 Bytes and levels are b's daemon's metrics."""
 from __future__ import annotations
 
@@ -104,8 +106,9 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
     lm = models.load(model)
     max_model_len = tokens + 512  # the document, the question and the answer
     # a warm-up document first: it times vLLM's own prefill, the rate the adaptive rule prices TEXT at
-    docs, question = documents(lm, tokens, runs + 1)
-    warm, docs = docs[0], docs[1:]
+    docs, question = documents(lm, tokens, 2 * runs + 1)
+    # and documents nobody holds: a miss, with the connector (its lookup and its put) and without
+    warm, docs, unheld = docs[0], docs[1:runs + 1], docs[runs + 1:]
     deadline_ms = round(e2e.DEADLINE_MS_PER_1K * tokens / 1024)
     with tempfile.TemporaryDirectory(prefix="kvstreamd-bvllm-") as tmp, \
             e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False) as (h, why_not):
@@ -132,6 +135,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
             prefill_tps = len(warm + question) / t
             log(f"vLLM's own prefill on b: {prefill_tps:.0f} tokens/s (a warm-up of {len(warm + question)} tokens)")
             _measure(plain, "vllm", h.b, docs, question, rows, log)
+            plain_miss = [plain.generate([d + question], max_tokens=1)["seconds"][0] for d in unheld]
         with Engine(folder, connector_config(h.b.socket, save=False, deadline_ms=deadline_ms,
                                              recompute_tokens_per_s=prefill_tps), root / "b-kvstreamd.log",
                     max_model_len=max_model_len) as e:
@@ -141,8 +145,14 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
                     root / "b-fp16.log", max_model_len=max_model_len) as e:
             _warm_up(e, warm + question)
             _measure(e, "fp16", h.b, docs, question, rows, log)
+        # a miss as deployed: the connector looks up, finds nothing, and puts the prompt afterwards
+        with Engine(folder, connector_config(h.b.socket), root / "b-miss.log", max_model_len=max_model_len) as e:
+            _warm_up(e, warm + question)
+            miss = [e.generate([d + question], max_tokens=1)["seconds"][0] for d in unheld]
+        log(f"  a miss: TTFT {statistics.median(miss):.2f} s with the connector, {statistics.median(plain_miss):.2f} s "
+            "without")
         said = {name: [ln for ln in (root / f"{name}.log").read_text().splitlines() if "vllm_connector.py" in ln][-20:]
-                for name in ("a", "b-vllm", "b-kvstreamd", "b-fp16")}
+                for name in ("a", "b-vllm", "b-kvstreamd", "b-fp16", "b-miss")}
     for (r, m), row in rows.items():
         ref = rows[(r, "vllm")]
         row["first_token_match"] = row["first"]["tokens"] == ref["first"]["tokens"]
@@ -150,6 +160,8 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
     report = {"model": lm.model_id, "ttft_floor": TTFT_FLOOR.get(lm.name, 3.0), "shaped": h.shaped, "bandwidth_mbit": bandwidth_mbit, "tokens": tokens,
               "chunk_tokens": chunk_tokens, "deadline_ms": deadline_ms, "vllm_prefill_tokens_per_s": prefill_tps,
               "generate": NEW_TOKENS, "results": summarise(list(rows.values())), "runs": list(rows.values()),
+              "miss": {"vllm_s": plain_miss, "connector_s": miss,
+                       "cost": statistics.median(m / p for m, p in zip(miss, plain_miss)) - 1},
               "connector_log_lines": said}
     write_json(report, json_path)
     return report
@@ -176,7 +188,8 @@ def floors(report: dict) -> dict[str, bool]:
     than vLLM's own prefill, the first token equal in every run, all 8 in at least 90% of runs."""
     k = next(r for r in report["results"] if r["method"] == "kvstreamd")
     return {f"ttft_{report.get('ttft_floor', 3.0):g}x": k["speed_up"] >= report.get("ttft_floor", 3.0), "first_token_every_run": all(k["first_token_match"]),
-            "eight_tokens_90pct": sum(k["tokens_match"]) / len(k["tokens_match"]) >= 0.9}
+            "eight_tokens_90pct": sum(k["tokens_match"]) / len(k["tokens_match"]) >= 0.9,
+            "miss_cost_5pct": report["miss"]["cost"] <= 0.05}
 
 
 def table(report: dict) -> str:
@@ -192,6 +205,10 @@ def table(report: dict) -> str:
                      f"{r['bytes'] / 1e6:>8.1f} {r['daemon_fetch_s']:>14.2f} {first:>16} {eight:>15}")
     lines.append(f"medians of {report['results'][0]['runs']} runs (a fresh document each); per-run matches y/n "
                  "against vLLM's own tokens; daemon fetch: b's daemon's time from the fetch to its last chunk")
+    m = report["miss"]
+    lines.append(f"a miss (a document nobody holds): TTFT {statistics.median(m['connector_s']):.2f} s with the "
+                 f"connector, {statistics.median(m['vllm_s']):.2f} s without: {m['cost']:+.1%} (median of per-document "
+                 "ratios)")
     lines.append("floors: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in floors(report).items()))
     return "\n".join(lines)
 
