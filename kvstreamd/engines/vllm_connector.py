@@ -117,6 +117,9 @@ class KvstreamdConnector(KVConnectorBase_V1):
         self._chunk_tokens: int | None = None
         self._loads: dict[str, LoadSpec] = {}  # promised in get_num_new_matched_tokens, blocks set after alloc
         self._tracks: dict[str, _Track] = {}
+        # requests whose load went to the worker: asked again, their load failed (vLLM recomputes
+        # from the failed block), and they are not fetched again
+        self._loading: set[str] = set()
         # vLLM gives a model with sliding-window layers one KV cache group (every layer a slot for
         # every token) when its connector does not handle several; several groups are not served
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
@@ -145,6 +148,8 @@ class KvstreamdConnector(KVConnectorBase_V1):
     # == scheduler side ============================================================================
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.request_id in self._loading:
+            return 0, False  # its load failed: computed from there, not fetched twice
         tokens = list(request.prompt_token_ids or [])
         self._tracks[request.request_id] = _Track(tokens, [])
         if self._groups > 1:
@@ -203,6 +208,7 @@ class KvstreamdConnector(KVConnectorBase_V1):
         for req_id, spec in list(self._loads.items()):
             if spec.block_ids:
                 meta.loads.append(spec)
+                self._loading.add(req_id)
                 del self._loads[req_id]
         if not self.options.save or self._chunk_tokens is None:
             return meta
@@ -241,6 +247,7 @@ class KvstreamdConnector(KVConnectorBase_V1):
         reports it (get_finished), so a finished request's blocks are not reused under the read."""
         track = self._tracks.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._loading.discard(request.request_id)
         return bool(track is not None and track.save_sent), None
 
     # == worker side ===============================================================================
