@@ -115,6 +115,14 @@ class DaemonProcess:
                 self.proc.wait(10)
         return self.proc.returncode
 
+    def counter(self, name: str, **labels: str) -> float:
+        """The sum of its /metrics counter `name` over the series with these labels."""
+        total = 0.0
+        for line in self.client().metrics().splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

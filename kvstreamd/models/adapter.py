@@ -86,6 +86,17 @@ def model_id(model: str | Path | None = None, cache_dir: str | Path | None = Non
     return f"{spec.model_name}:{weights.digest(files, root)[:16]}"
 
 
+def plain_folder(spec: ModelSpec, mid: str, root: Path) -> Path:
+    """The folder a model's weights load from: a GGUF's plain copy in `root` (converted on first
+    use, 20-70 s), else the model's own folder."""
+    if spec.gguf is None:
+        return spec.folder
+    folder = _copy_dir(mid, root)
+    if not (folder / "model.safetensors").is_file():
+        weights.convert_gguf(spec.gguf(), folder, spec.tokenizer_json)
+    return folder
+
+
 def load(model: str | Path | None = None, cache_dir: str | Path | None = None) -> LoadedModel:
     """Load a model (a shipped name, a .gguf file or a model folder; None: SmolLM2-135M) fp32,
     eval, on the CPU. A GGUF is converted on the first call only (20-70 s); later calls read the
@@ -95,12 +106,7 @@ def load(model: str | Path | None = None, cache_dir: str | Path | None = None) -
     spec = registry.resolve(model)
     root = Path(cache_dir) if cache_dir is not None else weights.cache_dir()
     mid = model_id(model, root)
-    if spec.gguf is not None:
-        folder = _copy_dir(mid, root)
-        if not (folder / "model.safetensors").is_file():
-            weights.convert_gguf(spec.gguf(), folder, spec.tokenizer_json)
-    else:
-        folder = spec.folder
+    folder = plain_folder(spec, mid, root)
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
     lm.eval()
     cfg = lm.config

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from . import weights
-from .adapter import _copy_dir, model_id
+from .adapter import model_id, plain_folder
 from .registry import resolve
 
 MODEL_META = "kvstreamd.json"  # engines.options.MODEL_META: the folder's model id
@@ -22,12 +22,7 @@ def engine_folder(model: str | Path | None, out: str | Path, cache_dir: str | Pa
     spec = resolve(model)
     root = Path(cache_dir) if cache_dir is not None else weights.cache_dir()
     mid = model_id(model, root)
-    if spec.gguf is not None:
-        source = _copy_dir(mid, root)
-        if not (source / "model.safetensors").is_file():
-            weights.convert_gguf(spec.gguf(), source, spec.tokenizer_json)
-    else:
-        source = spec.folder
+    source = plain_folder(spec, mid, root)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((source / "config.json").read_text())

@@ -17,18 +17,9 @@ from kvstreamd.models.engine_folder import engine_folder
 CHUNK = 256
 
 
-def counter(daemon: DaemonProcess, name: str, **labels: str) -> float:
-    """The sum of a daemon's counter `name` over the series with these labels."""
-    total = 0.0
-    for line in daemon.client().metrics().splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def chunks_sent(daemon: DaemonProcess) -> float:
     """Chunks the daemon handed to fetches from its own store at the fp16 level."""
-    return counter(daemon, "kvstreamd_chunks_total", level="fp16", direction="local")
+    return daemon.counter("kvstreamd_chunks_total", level="fp16", direction="local")
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
@@ -102,10 +93,10 @@ def test_a_prompt_vllm_computed_is_put_and_its_kv_is_the_hf_adapters(world):
 
 
 def test_a_prompt_shorter_than_a_chunk_asks_the_daemon_for_nothing(world):
-    before = counter(world["daemon"], "kvstreamd_lookups_total")
+    before = world["daemon"].counter("kvstreamd_lookups_total")
     want, got = both(world, world["question"] * 3)
     assert got == want
-    assert counter(world["daemon"], "kvstreamd_lookups_total") == before
+    assert world["daemon"].counter("kvstreamd_lookups_total") == before
 
 
 def test_a_damaged_chunk_is_recomputed_by_vllm_from_there_with_the_same_tokens(world):

@@ -26,15 +26,6 @@ FETCH_DEADLINE_MS = 120_000  # the fetch moves every chunk at fp16, however long
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: prompts of about a thousand tokens
 
 
-def counter(daemon: DaemonProcess, name: str, **labels: str) -> float:
-    """The sum of a daemon's counter `name` over the series with these labels."""
-    total = 0.0
-    for line in daemon.client().metrics().splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 @pytest.fixture(scope="module")
 def world(lm, tmp_path_factory):
     """The link, a daemon on each side (peers), and the documents: host a's vLLM (its connector
@@ -89,16 +80,16 @@ def fetching(d: DaemonProcess) -> bool:
 def test_a_document_host_as_vllm_computed_is_fetched_over_the_link_and_host_b_answers_with_its_own_tokens(world):
     prompt, a, b = world["prompts"][0], world["a"], world["b"]
     world["link"].shape(1000)
-    sent, received = counter(a, "kvstreamd_chunks_total", direction="sent"), \
-        counter(b, "kvstreamd_chunks_total", direction="received")
-    wire = counter(b, "kvstreamd_fetch_bytes_total")
+    sent, received = a.counter("kvstreamd_chunks_total", direction="sent"), \
+        b.counter("kvstreamd_chunks_total", direction="received")
+    wire = b.counter("kvstreamd_fetch_bytes_total")
     assert world["b_engine"].generate([prompt])["tokens"][0] == world["computed"][0]
     # every chunk came from a over the link, as KV at fp16: none was recomputed
-    assert counter(a, "kvstreamd_chunks_total", direction="sent", level="fp16") - sent == DOC // CHUNK
-    assert counter(b, "kvstreamd_chunks_total", direction="received", level="fp16") - received == DOC // CHUNK
+    assert a.counter("kvstreamd_chunks_total", direction="sent", level="fp16") - sent == DOC // CHUNK
+    assert b.counter("kvstreamd_chunks_total", direction="received", level="fp16") - received == DOC // CHUNK
     lm = world["lm"]
     fp16_bytes = DOC * lm.num_layers * 2 * lm.num_kv_heads * lm.head_dim * 2
-    assert counter(b, "kvstreamd_fetch_bytes_total") - wire > 0.9 * fp16_bytes
+    assert b.counter("kvstreamd_fetch_bytes_total") - wire > 0.9 * fp16_bytes
     assert not world["b_engine"].said(r"kvstreamd: a fetch failed|as text \(or not at all\)")
 
 

@@ -39,15 +39,6 @@ SOONER = 1.0  # server 2's time to first token over server 1's, below this (see 
 HELD_S = 120  # a put encoded, or a peer's chunks advertised, within this (a loaded machine)
 
 
-def counter(daemon: DaemonProcess, name: str, **labels: str) -> float:
-    """The sum of a daemon's counter `name` over the series with these labels."""
-    total = 0.0
-    for line in daemon.client().metrics().splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def complete(server: Server, prompt: list[int]) -> dict:
     """A streamed greedy completion of the token ids `prompt`: {"ttft": seconds to its first
     event, "tokens": ids, "text": str, "prompt": the ids the server saw}."""
@@ -112,9 +103,9 @@ def served(world):
     for server, daemon, warmup in zip((one, two), (a, b), world["warmups"]):
         complete(server, warmup)
         wait_for(lambda: held(daemon, mid, warmup, "local") == DOC, HELD_S, what="the warm-up prompt put")
-    before = {"received": counter(b, "kvstreamd_chunks_total", direction="received", level=LEVEL),
-              "bytes": counter(b, "kvstreamd_peer_bytes_total", direction="in", peer="a"),
-              "fetch_s": counter(b, "kvstreamd_fetch_seconds_sum")}
+    before = {"received": b.counter("kvstreamd_chunks_total", direction="received", level=LEVEL),
+              "bytes": b.counter("kvstreamd_peer_bytes_total", direction="in", peer="a"),
+              "fetch_s": b.counter("kvstreamd_fetch_seconds_sum")}
     out = []
     for prompt in world["prompts"]:
         missed = a.client().lookup(mid, prompt)["found_tokens"] == 0  # server 1's lookup finds nothing
@@ -124,9 +115,9 @@ def served(world):
     # then server 2, whose put of what it loaded (held already) may overlap its next prompt, not server 1's
     for prompt, got in zip(world["prompts"], out):
         got["two"] = complete(two, prompt)
-    after = {"received": counter(b, "kvstreamd_chunks_total", direction="received", level=LEVEL),
-             "bytes": counter(b, "kvstreamd_peer_bytes_total", direction="in", peer="a"),
-             "fetch_s": counter(b, "kvstreamd_fetch_seconds_sum")}
+    after = {"received": b.counter("kvstreamd_chunks_total", direction="received", level=LEVEL),
+             "bytes": b.counter("kvstreamd_peer_bytes_total", direction="in", peer="a"),
+             "fetch_s": b.counter("kvstreamd_fetch_seconds_sum")}
     return {"prompts": out, "before": before, "after": after}
 
 
