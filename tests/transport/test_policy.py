@@ -476,7 +476,12 @@ async def test_send_chunks_fills_a_long_fat_link_with_a_window_from_the_bandwidt
     assert bdp[1].windows[:2] == (2, 2) or bdp[1].windows[0] == 2  # no estimate of a chunk yet: the floor
     assert fixed2[0] >= 8 * rtt  # two at a time: a round trip per two chunks, at least
     assert bdp[0] < 4 * rtt  # the probe's round trip, the first chunk's, and 16 MB at 1 Gbit/s
-    assert all(r == pytest.approx(bw, rel=0.1) for r in bdp[2].samples[1:]), bdp[2].samples
+    # The link's rate, typically; and no sample counted a round trip (1 MB over 8 ms + 100 ms is
+    # bw/13), though one may read low when this process's loop was held up a few ms (a chunk
+    # crosses in 8 ms: CI once saw 0.4x in a full run)
+    samples = bdp[2].samples[1:]
+    assert statistics.median(samples) == pytest.approx(bw, rel=0.1), samples
+    assert min(samples) > bw / 5, samples
 
 
 class BunchingServedFetch(FakeServedFetch):
