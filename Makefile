@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-fast demo bench-codec install clean
+.PHONY: test test-fast demo demo-vllm bench-codec install clean
 
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
@@ -57,6 +57,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvstreamd demo $(DEMO_ARGS)
+
+# The same two hosts, each an OpenAI-compatible vLLM server with the kvstreamd connector.
+demo-vllm: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/kvstreamd demo-vllm $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -93,6 +93,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_vllm(args: argparse.Namespace) -> int:
+    from . import vllm_demo
+
+    report = vllm_demo.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], model=args.model,
+                           chunk_tokens=args.chunk_tokens, json_path=args.json)
+    print()
+    print(vllm_demo.summary(report))
+    print(f"\nJSON: {args.json}")
+    return 0
+
+
 def _bench_e2e(args: argparse.Namespace) -> int:
     from . import e2e
 
@@ -324,3 +335,12 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     demo.add_argument("--chunk-tokens", type=int, default=1024)
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=_demo)
+
+    dv = sub.add_parser("demo-vllm", help="two hosts, two vLLM servers with the connector: one computes a document, "
+                                          "the other loads it through kvstreamd (needs .venv-vllm)")
+    model_option(dv)
+    dv.add_argument("--bandwidth", default="100mbit")
+    dv.add_argument("--tokens", type=int, default=4096, help="the document's tokens (a question follows)")
+    dv.add_argument("--chunk-tokens", type=int, default=256)
+    dv.add_argument("--json", default="bench-out/demo-vllm.json")
+    dv.set_defaults(func=_demo_vllm)

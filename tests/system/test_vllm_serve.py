@@ -39,18 +39,6 @@ SOONER = 1.0  # server 2's time to first token over server 1's, below this (see 
 HELD_S = 120  # a put encoded, or a peer's chunks advertised, within this (a loaded machine)
 
 
-def complete(server: Server, prompt: list[int]) -> dict:
-    """A streamed greedy completion of the token ids `prompt`: {"ttft": seconds to its first
-    event, "tokens": ids, "text": str, "prompt": the ids the server saw}."""
-    body = {"model": str(server.folder), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    events = list(server.stream("/v1/completions", body))
-    assert events, f"no completion from {server.url}:\n{server.tail()}"
-    choices = [e["choices"][0] for _, e in events if e.get("choices")]
-    return {"ttft": events[0][0], "tokens": [t for c in choices for t in c.get("token_ids") or ()],
-            "text": "".join(c["text"] for c in choices), "prompt": choices[0].get("prompt_token_ids")}
-
-
 @pytest.fixture(scope="module")
 def world(lm, tmp_path_factory):
     """Two daemons peered with each other, a vLLM server with the connector beside each, and
@@ -101,7 +89,7 @@ def served(world):
     after."""
     (a, b), (one, two), mid = world["daemons"], world["servers"], world["model_id"]
     for server, daemon, warmup in zip((one, two), (a, b), world["warmups"]):
-        complete(server, warmup)
+        server.complete(warmup, NEW_TOKENS)
         wait_for(lambda: held(daemon, mid, warmup, "local") == DOC, HELD_S, what="the warm-up prompt put")
     before = {"received": b.counter("kvstreamd_chunks_total", direction="received", level=LEVEL),
               "bytes": b.counter("kvstreamd_peer_bytes_total", direction="in", peer="a"),
@@ -109,12 +97,12 @@ def served(world):
     out = []
     for prompt in world["prompts"]:
         missed = a.client().lookup(mid, prompt)["found_tokens"] == 0  # server 1's lookup finds nothing
-        out.append({"missed": missed, "one": complete(one, prompt)})
+        out.append({"missed": missed, "one": one.complete(prompt, NEW_TOKENS)})
         wait_for(lambda: held(a, mid, prompt, "local") == DOC, HELD_S, what="server 1's put of the prompt")
         wait_for(lambda: held(b, mid, prompt, "a") == DOC, HELD_S, what="daemon 2 seeing daemon 1's chunks")
     # then server 2, whose put of what it loaded (held already) may overlap its next prompt, not server 1's
     for prompt, got in zip(world["prompts"], out):
-        got["two"] = complete(two, prompt)
+        got["two"] = two.complete(prompt, NEW_TOKENS)
     after = {"received": b.counter("kvstreamd_chunks_total", direction="received", level=LEVEL),
              "bytes": b.counter("kvstreamd_peer_bytes_total", direction="in", peer="a"),
              "fetch_s": b.counter("kvstreamd_fetch_seconds_sum")}
