@@ -23,7 +23,6 @@ CHUNK = 256
 DOC = 4 * CHUNK
 SLOW_MBIT = 20  # 4 chunks at fp16 (~24 MB) take ~10 s: b's fetch is still moving when its daemon dies
 FETCH_DEADLINE_MS = 120_000  # the fetch moves every chunk at fp16, however long that takes
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: prompts of about a thousand tokens
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +50,7 @@ def world(lm, tmp_path_factory):
         question = lm.tokenizer.encode(" Question: what is the text above about? Answer:")
         docs = [ids[0:DOC], ids[3000:3000 + DOC]]
         try:
-            a_engine = Engine(folder, connector_config(a.socket), root / "a.log", ENGINE_ENV)
+            a_engine = Engine(folder, connector_config(a.socket), root / "a.log")
         except FileNotFoundError as e:
             pytest.fail(str(e))
         with a_engine:
@@ -60,7 +59,7 @@ def world(lm, tmp_path_factory):
             wait_for(lambda: b.client().lookup(lm.model_id, doc + question)["peers"].get("a") == len(doc),
                      timeout=120, what="b to see the chunks a's vLLM put")
         b_engine = Engine(folder, connector_config(b.socket, levels=["fp16"], deadline_ms=FETCH_DEADLINE_MS,
-                                                   save=False), root / "b.log", ENGINE_ENV)
+                                                   save=False), root / "b.log")
         yield {"lm": lm, "link": link, "a": a, "b": b, "b_engine": b_engine,
                "prompts": [doc + question for doc in docs], "computed": computed}
     finally:
