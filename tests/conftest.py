@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from codec import profile as profiles
+from codec import profile as profiles, registry
 from tests.fixtures import SMALL, synthetic_kv
 
 # What makes a test a `system` test (pyproject.toml's markers): living in tests/system/ (daemon
@@ -39,7 +39,7 @@ def small_profile(tmp_path_factory) -> profiles.Profile:
     path = tmp_path_factory.mktemp("profile") / "synthetic.kvprofile"
     prof.save(path)
     prof = profiles.Profile.load(path)
-    profiles.register(prof)
+    registry.register(prof)
     return prof
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import codec
-from codec import baselines, profile as profiles
+from codec import baselines, registry
 from codec.parallel import CodecPool
 
 from .. import models
@@ -151,7 +151,7 @@ def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_to
     for kind in texts:
         corpus.get(kind)
     lm = models.load(model)
-    profile = profiles.for_model(lm.model_id)
+    profile = registry.for_model(lm.model_id)
     per_text = {}
     workers = os.cpu_count() or 1
     with CodecPool(workers) as pool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from codec import baselines, profile as profiles
+from codec import baselines, registry
 from codec.parallel import CodecPool
 
 from .. import models
@@ -37,7 +37,7 @@ def prepare(out_dir: str | Path, tokens: int = 4096, chunk_tokens: int = 1024, l
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lm = models.load(model)
-    profile = profiles.for_model(lm.model_id)
+    profile = registry.for_model(lm.model_id)
     ids = corpus.windows(lm.tokenizer, "test", 1, tokens + 1)[0]
     kv = None
     chunks = []

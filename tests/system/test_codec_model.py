@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import codec
-from codec import profile as profiles
+from codec import registry
 from codec.parallel import CodecPool
 from kvstreamd import models
 from kvstreamd.lab import calibrate, corpus, quality
@@ -30,7 +30,7 @@ def case(lm):
 
 @pytest.fixture(scope="module")
 def shipped(lm):
-    return profiles.for_model(lm.model_id)
+    return registry.for_model(lm.model_id)
 
 
 def roundtrip(kv, level, profile):
