@@ -90,8 +90,12 @@ def split(streams: int, workers: int) -> list[range]:
 def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     torch.set_num_threads(1)
-    known = [registry.register(Profile.load(p)) for p in profile_paths] + registry.shipped()
-    _warm(index, workers, known, warm_levels)
+    # The parent read the same folders (CodecPool) and warned of a file there that does not
+    # load: not once more per worker.
+    logging.getLogger(registry.__name__).setLevel(logging.ERROR)
+    named = [registry.register(Profile.load(p)) for p in profile_paths]
+    known = {p.id: p for p in named + registry.current()}  # the pool's own, and each model's by precedence
+    _warm(index, workers, list(known.values()), warm_levels)
 
 
 def _learn_profile(index: int, workers: int, path: str, warm_levels: tuple[str, ...]) -> None:
@@ -190,6 +194,7 @@ class CodecPool:
     def __init__(self, workers: int | None = None, profile_paths: tuple[str, ...] = (),
                  warm_levels: tuple[str, ...] = levels.LADDER):
         self.workers = workers or os.cpu_count() or 1
+        registry.current()  # the profile folders read here first, so that a bad file is reported once
         self._initargs = (tuple(map(str, profile_paths)), tuple(warm_levels))
         self._profile_ids = {Profile.load(p).id for p in self._initargs[0]}  # what the workers know (add_profile)
         self._learning = threading.Lock()

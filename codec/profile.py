@@ -233,6 +233,8 @@ class Profile:
         try:
             tensors, meta = _views(data)
             meta = json.loads(meta["profile"])
+            if not isinstance(meta, dict):
+                raise ValueError("its metadata is not a JSON object")
         except (ValueError, KeyError, TypeError) as e:
             raise CodecError(f"{origin}: not a readable profile file ({e})") from None
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:

@@ -89,7 +89,8 @@ class Coder:
         self._shares = _Shares()  # what the CPU decodes' rate is measured in
 
     def profile_for(self, model_id: str) -> Profile:
-        """The configured profile if it is for model_id, else the shipped one; CodecError if none."""
+        """The configured profile if it is for model_id, else the registry's (the user folder's,
+        else the shipped one: codec.registry); CodecError if none."""
         if self.profile is not None and self.profile.model_id == model_id:
             return self.profile
         return registry.for_model(model_id)

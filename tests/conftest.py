@@ -1,8 +1,10 @@
-"""Shared fixtures: a small synthetic codec profile (fast, for property tests), the real model
-(loaded once per session), daemons in the test's event loop, and a really small disk."""
+"""Shared fixtures: an empty user profile folder for the session, a small synthetic codec profile
+(fast, for property tests), the real model (loaded once per session), daemons in the test's event
+loop, and a really small disk."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from pathlib import Path
 
@@ -26,6 +28,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SYSTEM_DIR in item.path.parents or SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.system)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_profile_folder(tmp_path_factory) -> Path:
+    """The session's user profile folder (codec.registry), empty: profiles a developer calibrated
+    for themselves do not change what the tests code with. In os.environ, so codec workers and
+    daemon processes inherit it; a test points it elsewhere with monkeypatch."""
+    path = tmp_path_factory.mktemp("user-profiles")
+    before = os.environ.get(registry.PROFILE_DIR_ENV)
+    os.environ[registry.PROFILE_DIR_ENV] = str(path)
+    yield path
+    if before is None:
+        del os.environ[registry.PROFILE_DIR_ENV]
+    else:
+        os.environ[registry.PROFILE_DIR_ENV] = before
 
 
 @pytest.fixture(scope="session")
