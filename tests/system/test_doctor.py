@@ -120,6 +120,7 @@ def test_doctor_against_a_healthy_cluster_is_all_ok_and_exits_0(cluster):
     assert rc == doctor.EXIT[report["status"]] and (rc == 0 or no_avx2), report
     assert checks["peer a"]["figure"].startswith(a.addr) and "Mbit/s" in checks["peer a"]["figure"]
     assert checks["hit rate"]["figure"].startswith("100%")
+    assert "; configured profile " in checks[f"profile {MODEL}"]["figure"]  # [codec] profile, not the folders'
     assert set(checks["clock offset"]["data"]["offset_s"]) == {"a"}  # a's PONG said its clock
 
 
