@@ -24,7 +24,7 @@ def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Pr
     if T == 0:
         raise ValueError("cannot encode an empty chunk")
     if profile is None:
-        raise ValueError("encode needs the model's profile (codec.profile.for_model(model_id))")
+        raise ValueError("encode needs the model's profile (codec.registry.for_model(model_id))")
     profile.check_shape(L, H, D)
     h = header_of(kv, lv, profile, start)
     angles = key_angles(h.transforms, start, h.sink_tokens, T, profile)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import anchor, bitstream as bs, entropy, levels, pca, profile as profiles, rans, rope
+from . import anchor, bitstream as bs, entropy, levels, pca, rans, registry, rope
 from .errors import CodecError
 from .profile import Profile
 from .quantize import dequantize
@@ -43,7 +43,7 @@ def read(data: bytes | memoryview, profile: Profile | None = None, check_crc: bo
     to the layers the chunk holds (Profile.subset) where it holds only some."""
     h = bs.unpack(data, check_crc)
     if profile is None or profile.id != h.profile_id:
-        profile = profiles.find(h.profile_id)
+        profile = registry.find(h.profile_id)
     if h.layer_ids is not None or profile.meta.get("subset_of"):
         profile = profile.whole().subset(h.held_layers())
     _check(h, profile)

@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from . import bitstream as bs, cachegen, decoder, levels, profile as profiles
+from . import bitstream as bs, cachegen, decoder, levels, registry
 from .segments import Arena, Destination, open_segment, worker_map
 from .errors import CodecError
 from .profile import Profile
@@ -90,13 +90,17 @@ def split(streams: int, workers: int) -> list[range]:
 def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     torch.set_num_threads(1)
-    known = [profiles.register(Profile.load(p)) for p in profile_paths] + profiles.shipped()
-    _warm(index, workers, known, warm_levels)
+    # The parent read the same folders (CodecPool) and warned of a file there that does not
+    # load: not once more per worker.
+    logging.getLogger(registry.__name__).setLevel(logging.ERROR)
+    named = [registry.register(Profile.load(p)) for p in profile_paths]
+    known = {p.id: p for p in named + registry.current()}  # the pool's own, and each model's by precedence
+    _warm(index, workers, list(known.values()), warm_levels)
 
 
 def _learn_profile(index: int, workers: int, path: str, warm_levels: tuple[str, ...]) -> None:
     """A profile file registered in a running worker, and warmed as at its start (add_profile)."""
-    _warm(index, workers, [profiles.register(Profile.load(path))], warm_levels)
+    _warm(index, workers, [registry.register(Profile.load(path))], warm_levels)
 
 
 def _warm(index: int, workers: int, known: list[Profile], warm_levels: tuple[str, ...]) -> None:
@@ -153,7 +157,7 @@ def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str
                  layer_ids: tuple[int, ...] | None, start: int, sink_rows: int, streams: range) -> list[bytes]:
     mm = worker_map(name, size)
     kv = torch.frombuffer(mm, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
-    lv, profile = levels.get(level), profiles.find(profile_id)
+    lv, profile = levels.get(level), registry.find(profile_id)
     if layer_ids is not None:  # a chunk of some layers: coded with those layers' tables, as its header says
         profile = profile.whole().subset(layer_ids)
     steps = lv.steps(profile)
@@ -166,7 +170,7 @@ def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str
 
 
 def _streams_with_tables(profile_id: bytes) -> list[int]:
-    profile = profiles.find(profile_id)
+    profile = registry.find(profile_id)
     return sorted({2 * key[1] + key[2] for key in profile._models})
 
 
@@ -190,6 +194,7 @@ class CodecPool:
     def __init__(self, workers: int | None = None, profile_paths: tuple[str, ...] = (),
                  warm_levels: tuple[str, ...] = levels.LADDER):
         self.workers = workers or os.cpu_count() or 1
+        registry.current()  # the profile folders read here first, so that a bad file is reported once
         self._initargs = (tuple(map(str, profile_paths)), tuple(warm_levels))
         self._profile_ids = {Profile.load(p).id for p in self._initargs[0]}  # what the workers know (add_profile)
         self._learning = threading.Lock()

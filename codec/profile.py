@@ -4,7 +4,8 @@ It holds, per (layer, K/V): the PCA mean and basis of the (un-rotated) channels,
 component's standard deviation and the pooled shape of their distribution (for the entropy
 coder), the same statistics for CacheGen's anchor/delta configuration, the measured
 sensitivity of the model to errors there, and the steps that sensitivity implies.
-Calibrate once from sample KV, save as a safetensors file (no pickle), ship it.
+Calibrate once from sample KV, save as a safetensors file (no pickle), ship it; `registry`
+finds the files and says which profile each model codes with.
 """
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ FORMAT = "kvstreamd-profile"
 FORMAT_VERSION = 1
 GRID_EXTENT = 24.0  # standard deviations covered by the shape CDF; beyond it, escapes
 GRID_POINTS = 769
-SHIPPED_DIR = Path(__file__).parent / "profiles"
-RETIRED_DIR = SHIPPED_DIR / "retired"
 
 
 def grid() -> np.ndarray:
@@ -234,6 +233,8 @@ class Profile:
         try:
             tensors, meta = _views(data)
             meta = json.loads(meta["profile"])
+            if not isinstance(meta, dict):
+                raise ValueError("its metadata is not a JSON object")
         except (ValueError, KeyError, TypeError) as e:
             raise CodecError(f"{origin}: not a readable profile file ({e})") from None
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
@@ -297,45 +298,6 @@ REQUIRED_TENSORS = ("pca_mean", "pca_basis", "pca_sigma", "pca_cdf", "pca_step_s
                     "chan_mean", "anchor_sigma", "anchor_cdf", "delta_sigma", "delta_cdf", "sensitivity",
                     "base_step")
 STEP_SCALE_RANGE = (1 / 8, 8.0)
-
-
-# -- the registry decode() consults ----------------------------------------------------
-_registry: dict[bytes, Profile] = {}
-_retired: set[bytes] = set()  # registered to decode what was stored with them, never to encode
-
-
-def register(profile: Profile) -> Profile:
-    _registry[profile.id] = profile
-    return profile
-
-
-def shipped() -> list[Profile]:
-    """The profiles that ship with kvstreamd, registered: codec/profiles/*.kvprofile, the one
-    each model encodes with (returned), and codec/profiles/retired/*.kvprofile, the ones its
-    models encoded with before, kept only so that the chunks stored with them still decode."""
-    current = [register(Profile.load(p)) for p in sorted(SHIPPED_DIR.glob("*.kvprofile"))]
-    for p in sorted(RETIRED_DIR.glob("*.kvprofile")):
-        _retired.add(register(Profile.load(p)).id)
-    return current
-
-
-def find(profile_id: bytes) -> Profile:
-    if profile_id not in _registry:
-        shipped()
-    try:
-        return _registry[profile_id]
-    except KeyError:
-        raise CodecError(f"bitstream was coded with profile {profile_id.hex()}, which is not known here") from None
-
-
-def for_model(model_id: str) -> Profile:
-    """The shipped (or registered) profile for model_id."""
-    if not any(p.model_id == model_id and p.id not in _retired for p in _registry.values()):
-        shipped()
-    for p in _registry.values():
-        if p.model_id == model_id and p.id not in _retired:
-            return p
-    raise CodecError(f"no codec profile for model {model_id!r}; make one with `kvstreamd profile calibrate`")
 
 
 # -- calibration -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     from .lab import calibrate
 
     torch.manual_seed(0)
-    from codec import Profile
+    from codec import Profile, registry
 
     lm = models.load(args.model)
     sens = Profile.load(args.sensitivity_from).tensors["sensitivity"] if args.sensitivity_from else None
@@ -26,10 +26,15 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
                                tuning_contexts=args.tuning_contexts or calibrate.TUNING_CONTEXTS,
                                tuning_tokens=args.tuning_tokens or calibrate.TUNING_TOKENS,
                                tuning_continuation=args.tuning_continuation or calibrate.TUNING_CONTINUATION)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else registry.user_file(prof)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
     print(f"profile {prof.id.hex()} for {prof.model_id} written to {out}")
+    if args.out:
+        print(f"code with it: --profile {out} (the benchmarks and demos) or [codec] profile (the daemon)")
+    else:
+        print(f"in the user profile folder: every kvstreamd command and daemon of this user codes "
+              f"{prof.model_id} with it (the newest there), unless told --profile or [codec] profile")
     print("level scales:", prof.meta["level_scales"])
     return 0
 
@@ -260,7 +265,10 @@ def parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="codec profiles")
     psub = prof.add_subparsers(dest="profile", required=True)
     cal = psub.add_parser("calibrate", help="make a codec profile from calibration text with the real model")
-    cal.add_argument("--out", required=True)
+    cal.add_argument("--out", metavar="PATH",
+                     help="where to write it (default: the user profile folder, $KVSTREAMD_PROFILE_DIR or "
+                          "$XDG_DATA_HOME/kvstreamd/profiles, as MODEL-ID8.kvprofile, which every command and "
+                          "daemon searches)")
     cal.add_argument("--split", default="valid", help="WikiText-2 split to calibrate on (never test)")
     cal.add_argument("--contexts", type=int, default=4)
     cal.add_argument("--tokens", type=int, default=2048)

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from codec import baselines, catalog, levels as codec_levels, profile as profiles
+from codec import baselines, catalog, levels as codec_levels, registry
 from codec.errors import CodecError
 from codec.parallel import CodecPool, WorkerLost
 from codec.profile import Profile
@@ -72,7 +72,7 @@ class Coder:
         coders may share one, as the tests' in-process daemons do."""
         self.profile: Profile | None = None
         if profile_path is not None:
-            self.profile = profiles.register(Profile.load(profile_path))
+            self.profile = registry.register(Profile.load(profile_path))
         warm = tuple(lv for lv in warm_levels if lv in codec_levels.LEVELS)
         self._owns_pool = pool is None
         if pool is None:
@@ -89,10 +89,11 @@ class Coder:
         self._shares = _Shares()  # what the CPU decodes' rate is measured in
 
     def profile_for(self, model_id: str) -> Profile:
-        """The configured profile if it is for model_id, else the shipped one; CodecError if none."""
+        """The configured profile if it is for model_id, else the registry's (the user folder's,
+        else the shipped one: codec.registry); CodecError if none."""
         if self.profile is not None and self.profile.model_id == model_id:
             return self.profile
-        return profiles.for_model(model_id)
+        return registry.for_model(model_id)
 
     @property
     def decode_mbps(self) -> float:

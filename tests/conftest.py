@@ -1,8 +1,10 @@
-"""Shared fixtures: a small synthetic codec profile (fast, for property tests), the real model
-(loaded once per session), daemons in the test's event loop, and a really small disk."""
+"""Shared fixtures: an empty user profile folder for the session, a small synthetic codec profile
+(fast, for property tests), the real model (loaded once per session), daemons in the test's event
+loop, and a really small disk."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from codec import profile as profiles
+from codec import profile as profiles, registry
 from tests.fixtures import SMALL, synthetic_kv
 
 # What makes a test a `system` test (pyproject.toml's markers): living in tests/system/ (daemon
@@ -28,6 +30,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.system)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_profile_folder(tmp_path_factory) -> Path:
+    """The session's user profile folder (codec.registry), empty: profiles a developer calibrated
+    for themselves do not change what the tests code with. In os.environ, so codec workers and
+    daemon processes inherit it; a test points it elsewhere with monkeypatch."""
+    path = tmp_path_factory.mktemp("user-profiles")
+    before = os.environ.get(registry.PROFILE_DIR_ENV)
+    os.environ[registry.PROFILE_DIR_ENV] = str(path)
+    yield path
+    if before is None:
+        del os.environ[registry.PROFILE_DIR_ENV]
+    else:
+        os.environ[registry.PROFILE_DIR_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def small_profile(tmp_path_factory) -> profiles.Profile:
     samples = [(synthetic_kv(400, seed=1), 0), (synthetic_kv(300, seed=2), 400)]
@@ -39,7 +56,7 @@ def small_profile(tmp_path_factory) -> profiles.Profile:
     path = tmp_path_factory.mktemp("profile") / "synthetic.kvprofile"
     prof.save(path)
     prof = profiles.Profile.load(path)
-    profiles.register(prof)
+    registry.register(prof)
     return prof
 
 

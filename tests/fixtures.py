@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import codec
-from codec import profile as profiles
+from codec import profile as profiles, registry
 from kvstreamd.client import AsyncClient
 from kvstreamd.store.chunkfile import ChunkRecord
 from kvstreamd.store.keys import chunk_keys
@@ -192,7 +192,7 @@ def real_context(lm, char_offset: int, n_tokens: int):
 def expected_chunk(kv: torch.Tensor, i: int, level: str, model_id: str) -> torch.Tensor:
     """What chunk i decodes to at `level`: the same pure codec the daemon's pool runs."""
     s, e = i * CHUNK, min((i + 1) * CHUNK, kv.shape[2])
-    return codec.decode(codec.encode(kv[:, :, s:e].contiguous(), level, profiles.for_model(model_id), start=s))
+    return codec.decode(codec.encode(kv[:, :, s:e].contiguous(), level, registry.for_model(model_id), start=s))
 
 
 # -- chunk stores on real files -----------------------------------------------------------------

@@ -14,6 +14,30 @@ def write_json(report: dict, json_path: str | None) -> None:
         Path(json_path).write_text(json.dumps(report, indent=1))
 
 
+def profile_and_pool(model_id: str, profile_path: str | Path | None = None, workers: int | None = None):
+    """What a benchmark that codes in-process codes model_id's KV with: the profile
+    (codec.registry.for_model: the file `profile_path`, its --profile, where one is given, else
+    the user folder's, else the shipped one) and a CodecPool of `workers` (default: one per
+    core) whose workers are handed that profile's file. (profile, pool): close the pool."""
+    from codec import registry
+    from codec.parallel import CodecPool
+
+    profile = registry.for_model(model_id, profile_path)
+    return profile, CodecPool(workers, profile_paths=(profile.path,) if profile.path else ())
+
+
+def profile_keys(model_id: str, profile_path: str | Path | None) -> dict:
+    """The [codec] keys that make a benchmark's daemons code model_id with its --profile:
+    {"profile": the file}, once it is known to be model_id's (a daemon codes a model its
+    `[codec] profile` is not for with the registry's choice), or {} without one."""
+    if profile_path is None:
+        return {}
+    from codec import registry
+
+    registry.for_model(model_id, profile_path)
+    return {"profile": str(Path(profile_path).absolute())}
+
+
 DEADLINE_MS = 3_600_000  # a timed fetch takes exactly the level asked, however long it takes
 
 

@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 import codec
-from codec import baselines, profile as profiles
-from codec.parallel import CodecPool
+from codec import baselines, registry
 
 from .. import models
 from ..lab import corpus, quality
-from . import write_json
+from . import profile_and_pool, write_json
 
 SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:high", "cachegen:balanced",
            "cachegen:fast"]
@@ -142,28 +141,33 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: i
 
 def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_tokens: int = 1024,
         schemes: list[str] | None = None, json_path: str | None = None, plot_path: str | None = None,
-        texts: list[str] | None = None, log=print, model: str | None = None) -> dict:
+        texts: list[str] | None = None, log=print, model: str | None = None,
+        profile: str | Path | None = None) -> dict:
     """Every scheme on the held-out split (test.txt) of each kind of text (default: all kinds,
-    WikiText first). The report's top-level `exact_ppl` and `results` are the first kind's (as
+    WikiText first), coded with the model's profile (`profile`: a profile file, else the
+    registry's choice). The report's top-level `exact_ppl` and `results` are the first kind's (as
     before kinds existed); `texts` has every kind's."""
     schemes = schemes or SCHEMES
     texts = list(dict.fromkeys(texts or corpus.KINDS))
     for kind in texts:
         corpus.get(kind)
     lm = models.load(model)
-    profile = profiles.for_model(lm.model_id)
     per_text = {}
     workers = os.cpu_count() or 1
-    with CodecPool(workers) as pool:
+    prof, pool = profile_and_pool(lm.model_id, profile, workers)
+    used = {"id": prof.id.hex(), "path": str(prof.path) if prof.path else None, "source": registry.source(prof)}
+    log(f"coding with the {used['source']} profile {used['id']} ({used['path']})")
+    with pool:
         for kind in texts:
             cases = _cases(lm, kind, tokens, contexts, continuation, log)
             log(f"{kind}: {corpus.get(kind).title}")
-            exact_ppl, results = _measure(lm, profile, pool, schemes, cases, chunk_tokens, log)
+            exact_ppl, results = _measure(lm, prof, pool, schemes, cases, chunk_tokens, log)
             per_text[kind] = {"title": corpus.get(kind).title, "split": "test", "contexts": len(cases),
                               "exact_ppl": round(exact_ppl, 4), "results": results}
     first = per_text[texts[0]]
     report = {"model": lm.model_id, "tokens": tokens, "contexts": contexts, "continuation": continuation,
               "chunk_tokens": chunk_tokens, "workers": workers, "text": texts[0],
+              "profile": used,
               "exact_ppl": first["exact_ppl"], "results": first["results"], "texts": per_text}
     write_json(report, json_path)
     if plot_path:

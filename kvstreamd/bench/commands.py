@@ -16,12 +16,26 @@ def _report(text: str, json_path: str | None) -> None:
         print(f"\nJSON written to {json_path}")
 
 
+def _no_profile(command: str, e: Exception) -> int:
+    """A --profile that does not load or is another model's, or no profile for the model
+    (codec.errors.ProfileError): one line, exit status 2."""
+    print(f"kvstreamd {command}: {e}", file=sys.stderr)
+    return 2
+
+
 def _bench_codec(args: argparse.Namespace) -> int:
+    from codec.errors import ProfileError
+
     from . import codec as bench
 
-    report = bench.run(tokens=args.tokens, contexts=args.contexts, continuation=args.continuation,
-                       chunk_tokens=args.chunk_tokens, schemes=args.schemes, json_path=args.json,
-                       plot_path=args.plot, texts=args.texts, model=args.model)
+    try:
+        report = bench.run(tokens=args.tokens, contexts=args.contexts, continuation=args.continuation,
+                           chunk_tokens=args.chunk_tokens, schemes=args.schemes, json_path=args.json,
+                           plot_path=args.plot, texts=args.texts, model=args.model, profile=args.profile)
+    except ProfileError as e:
+        return _no_profile("bench codec", e)
+    used = report["profile"]
+    print(f"\n{report['model']}: coded with the {used['source']} profile {used['id']} ({used['path']})")
     for kind, t in report["texts"].items():
         print()
         print(f"{report['model']}: {t['contexts']} x {report['tokens']}-token {kind} test contexts ({t['title']}), "
@@ -36,12 +50,17 @@ def _bench_codec(args: argparse.Namespace) -> int:
 
 
 def _bench_stream(args: argparse.Namespace) -> int:
+    from codec.errors import ProfileError
+
     from . import stream as bench
 
     bandwidths = [float(b.lower().removesuffix("mbit")) for b in args.bandwidth]
-    report = bench.run(bandwidths, tokens=args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
-                       trace_file=args.trace, n_traces=args.traces, methods=args.methods, json_path=args.json,
-                       model=args.model)
+    try:
+        report = bench.run(bandwidths, tokens=args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
+                           trace_file=args.trace, n_traces=args.traces, methods=args.methods, json_path=args.json,
+                           model=args.model, profile=args.profile)
+    except ProfileError as e:
+        return _no_profile("bench stream", e)
     print()
     print(f"{report['tokens']}-token context, deadline {report['deadline_ms']} ms")
     print(bench.table(report))
@@ -77,11 +96,17 @@ def _trace(path: str | None) -> list[float] | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from codec.errors import ProfileError
+
     from . import e2e
 
-    report = e2e.run(_mbits([args.bandwidth]), [args.tokens], runs=1, deadline_ms=args.deadline_ms,
-                     trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000, json_path=args.json,
-                     plot_path=args.plot, progress=not args.quiet, chunk_tokens=args.chunk_tokens, model=args.model)
+    try:
+        report = e2e.run(_mbits([args.bandwidth]), [args.tokens], runs=1, deadline_ms=args.deadline_ms,
+                         trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000, json_path=args.json,
+                         plot_path=args.plot, progress=not args.quiet, chunk_tokens=args.chunk_tokens,
+                         model=args.model, profile=args.profile)
+    except ProfileError as e:
+        return _no_profile("demo", e)
     print()
     print(f"{report['model']}, document of {report['runs'][0]['doc_tokens']} WikiText-2 tokens stored on host a, "
           f"prompt = document + question on host b, deadline {report['runs'][0]['deadline_ms']} ms"
@@ -94,10 +119,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _demo_vllm(args: argparse.Namespace) -> int:
+    from codec.errors import ProfileError
+
     from . import vllm_demo
 
-    report = vllm_demo.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], model=args.model,
-                           chunk_tokens=args.chunk_tokens, json_path=args.json)
+    try:
+        report = vllm_demo.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], model=args.model,
+                               chunk_tokens=args.chunk_tokens, json_path=args.json, profile=args.profile)
+    except ProfileError as e:
+        return _no_profile("demo-vllm", e)
     print()
     print(vllm_demo.summary(report))
     print(f"\nJSON: {args.json}")
@@ -105,12 +135,17 @@ def _demo_vllm(args: argparse.Namespace) -> int:
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
+    from codec.errors import ProfileError
+
     from . import e2e
 
-    report = e2e.run(_mbits(args.bandwidth), args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
-                     methods=args.methods, trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000,
-                     json_path=args.json, plot_path=args.plot, progress=not args.quiet, model=args.model,
-                     chunk_tokens=args.chunk_tokens)
+    try:
+        report = e2e.run(_mbits(args.bandwidth), args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
+                         methods=args.methods, trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000,
+                         json_path=args.json, plot_path=args.plot, progress=not args.quiet, model=args.model,
+                         chunk_tokens=args.chunk_tokens, profile=args.profile)
+    except ProfileError as e:
+        return _no_profile("bench e2e", e)
     print()
     print(e2e.table(report))
     print(f"\nJSON written to {args.json}")
@@ -118,10 +153,16 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
+    from codec.errors import ProfileError
+
     from . import vllm as bench
 
-    report = bench.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], runs=args.runs,
-                       chunk_tokens=args.chunk_tokens, model=args.model, json_path=args.json)
+    try:
+        report = bench.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], runs=args.runs,
+                           chunk_tokens=args.chunk_tokens, model=args.model, json_path=args.json,
+                           profile=args.profile)
+    except ProfileError as e:
+        return _no_profile("bench vllm", e)
     _report(bench.table(report), args.json)
     return 0 if all(bench.floors(report).values()) else 1
 
@@ -138,19 +179,29 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _bench_fanout(args: argparse.Namespace) -> int:
+    from codec.errors import ProfileError
+
     from . import fanout as bench
 
-    report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
-                       holders=args.holders, model=args.model, json_path=args.json)
+    try:
+        report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
+                           holders=args.holders, model=args.model, json_path=args.json, profile=args.profile)
+    except ProfileError as e:
+        return _no_profile("bench fanout", e)
     _report(bench.table(report), args.json)
     return 0 if all(report["floors"].values()) else 1
 
 
 def _bench_prefetch(args: argparse.Namespace) -> int:
+    from codec.errors import ProfileError
+
     from . import prefetch as bench
 
-    report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
-                       model=args.model, json_path=args.json)
+    try:
+        report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
+                           model=args.model, json_path=args.json, profile=args.profile)
+    except ProfileError as e:
+        return _no_profile("bench prefetch", e)
     _report(bench.table(report), args.json)
     return 0 if all(report["floors"].values()) else 1
 
@@ -187,12 +238,22 @@ def _bench_scale(args: argparse.Namespace) -> int:
     return 0 if report["pass"] else 1
 
 
+def profile_option(sp: argparse.ArgumentParser) -> None:
+    """--profile, for a command that codes the model's KV (itself, or in the daemons it starts,
+    as their [codec] profile): codec.registry's precedence."""
+    sp.add_argument("--profile", metavar="PATH", default=None,
+                    help="the codec profile file to code with, the model's (default: the model's newest in the "
+                         "user profile folder, $KVSTREAMD_PROFILE_DIR or ~/.local/share/kvstreamd/profiles, "
+                         "else the shipped one)")
+
+
 def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add `bench` and `demo` to the `kvstreamd` command's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print tables")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bc = bsub.add_parser("codec", help="size, quality and speed of every codec scheme on the real model")
     model_option(bc)
+    profile_option(bc)
     bc.add_argument("--tokens", type=int, default=3072)
     bc.add_argument("--contexts", type=int, default=3)
     bc.add_argument("--continuation", type=int, default=256)
@@ -206,6 +267,7 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
 
     bs = bsub.add_parser("stream", help="real chunks over a shaped link between two network namespaces")
     model_option(bs)
+    profile_option(bs)
     bs.add_argument("--bandwidth", nargs="+", default=["100mbit"], help="e.g. 20mbit 100mbit 500mbit")
     bs.add_argument("--tokens", type=int, default=4096)
     bs.add_argument("--runs", type=int, default=3, help="runs per method and bandwidth (the median is kept)")
@@ -235,6 +297,7 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
 
     be = bsub.add_parser("e2e", help="TTFT on host b of a context stored on host a: recompute, fp16, int8, kvstreamd")
     model_option(be)
+    profile_option(be)
     be.add_argument("--bandwidth", nargs="+", default=["100mbit"])
     be.add_argument("--tokens", nargs="+", type=int, default=[4096])
     be.add_argument("--runs", type=int, default=3, help="documents per token count (medians are reported)")
@@ -252,6 +315,7 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     bv = bsub.add_parser("vllm", help="TTFT of a real vLLM on host b for a document host a's vLLM computed: "
                                       "vLLM's own prefill, kvstreamd, raw fp16 KV (needs .venv-vllm)")
     model_option(bv)
+    profile_option(bv)
     bv.add_argument("--bandwidth", default="100mbit", help="the link's rate, e.g. 100mbit")
     bv.add_argument("--tokens", type=int, default=4096, help="the document's tokens (the question follows)")
     bv.add_argument("--runs", type=int, default=3, help="documents, a fresh one each run (medians are reported)")
@@ -267,6 +331,7 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     bf.add_argument("--level", default="high", help="the one level every chunk is stored and fetched at")
     bf.add_argument("--holders", type=int, default=3)
     bf.add_argument("--model", default=None, help="model to prefill with (default: SmolLM2-135M)")
+    profile_option(bf)
     bf.add_argument("--json", default="bench-out/fanout.json")
     bf.set_defaults(func=_bench_fanout)
 
@@ -277,6 +342,7 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     bp.add_argument("--runs", type=int, default=5, help="timed fetches of each kind (medians reported)")
     bp.add_argument("--level", default="high", help="the one level every chunk is stored and fetched at")
     bp.add_argument("--model", default=None, help="model to prefill with (default: SmolLM2-135M)")
+    profile_option(bp)
     bp.add_argument("--json", default="bench-out/prefetch.json")
     bp.set_defaults(func=_bench_prefetch)
 
@@ -325,6 +391,7 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
 
     demo = sub.add_parser("demo", help="two hosts, the real model: store a document on one, answer on the other")
     model_option(demo)
+    profile_option(demo)
     demo.add_argument("--bandwidth", default="100mbit")
     demo.add_argument("--tokens", type=int, default=4096)
     demo.add_argument("--deadline-ms", type=int, default=None, help="default: 500 ms per 1024 tokens")
@@ -339,6 +406,7 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     dv = sub.add_parser("demo-vllm", help="two hosts, two vLLM servers with the connector: one computes a document, "
                                           "the other loads it through kvstreamd (needs .venv-vllm)")
     model_option(dv)
+    profile_option(dv)
     dv.add_argument("--bandwidth", default="100mbit")
     dv.add_argument("--tokens", type=int, default=4096, help="the document's tokens (a question follows)")
     dv.add_argument("--chunk-tokens", type=int, default=256)

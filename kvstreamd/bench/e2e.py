@@ -31,7 +31,7 @@ from .. import models
 from ..lab import corpus, netns, quality
 from ..lab.daemons import DaemonProcess, wait_for
 from ..models.prefix import generate
-from . import write_json
+from . import profile_keys, write_json
 
 METHODS = ["recompute", "fp16", "int8", "kvstreamd"]
 # kvstreamd's own levels for kvstreamd (the hosts also store the baselines, to fetch those)
@@ -63,12 +63,14 @@ class Hosts:
 
 
 @contextmanager
-def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0, b_keeps_fetched: bool = True):
+def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0, b_keeps_fetched: bool = True,
+          codec: dict | None = None):
     """Two daemons, a and b, peers of each other; in two namespaces if it can make them.
-    `b_keeps_fetched=False`: b stores nothing it fetched, so every fetch of a's context crosses the link."""
+    `b_keeps_fetched=False`: b stores nothing it fetched, so every fetch of a's context crosses the link.
+    `codec`: more [codec] keys (profile_keys)."""
     ok, why = netns.available()
     link = netns.Link().up() if ok else None
-    extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers},
+    extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers, **(codec or {})},
              "store": {"memory_budget": "2GiB", "disk_budget": 0}}
     extra_b = {**extra, "store": {**extra["store"], "keep_fetched": b_keeps_fetched}}
     if link is not None:
@@ -238,12 +240,14 @@ def summarise(rows: list[dict]) -> list[dict]:
 def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadline_ms: int | None = None,
         methods: list[str] | None = None, trace: list[float] | None = None, trace_step_s: float = 0.5,
         json_path: str | None = None, plot_path: str | None = None, progress: bool = True, log=print,
-        chunk_tokens: int = CHUNK_TOKENS, model: str | None = None) -> dict:
+        chunk_tokens: int = CHUNK_TOKENS, model: str | None = None, profile: str | None = None) -> dict:
     methods = methods or METHODS
     torch.set_num_threads(os.cpu_count() or 1)
     lm = models.load(model)
+    codec = profile_keys(lm.model_id, profile)
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="kvstreamd-e2e-") as tmp, hosts(Path(tmp), chunk_tokens) as (h, why_not):
+    with tempfile.TemporaryDirectory(prefix="kvstreamd-e2e-") as tmp, \
+            hosts(Path(tmp), chunk_tokens, codec=codec) as (h, why_not):
         if why_not:
             log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
                 "unshaped, so --bandwidth has no effect")

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from . import prefilled_document, timed_fetch, write_json
+from . import prefilled_document, profile_keys, timed_fetch, write_json
 from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
 
@@ -25,14 +25,16 @@ CHUNK_TOKENS = 256  # 16 chunks of a 4096-token context: shares of a sixteenth e
 
 
 def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level: str = "high",
-        holders: int = HOLDERS, model: str | None = None, json_path: str | None = None, log=print) -> dict:
+        holders: int = HOLDERS, model: str | None = None, json_path: str | None = None, log=print,
+        profile: str | None = None) -> dict:
     ok, why = netns.available()
     if not ok:
         raise RuntimeError(f"bench fanout needs network namespaces: {why}")
     lm, doc, kv = prefilled_document(model, tokens, log)
+    profiled = profile_keys(lm.model_id, profile)
     spokes = tuple("bcdefgh"[:holders])
     star = netns.Star(spokes=spokes, rate_mbit=bandwidth_mbit).up()
-    extra = {"codec": {"chunk_tokens": CHUNK_TOKENS, "levels": [level]}}
+    extra = {"codec": {"chunk_tokens": CHUNK_TOKENS, "levels": [level], **profiled}}
     fetcher_extra = {**extra, "store": {"memory_budget": 0, "disk_budget": 0}}
     report: dict = {"model": lm.model_id, "tokens": tokens, "bandwidth_mbit": bandwidth_mbit, "level": level,
                     "holders": holders, "chunk_tokens": CHUNK_TOKENS, "runs": runs}

@@ -37,12 +37,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from codec import gpu, profile as profiles, rope
+from codec import gpu, profile as profiles, registry, rope
 from codec.parallel import CodecPool
 
 from . import write_json
 
-SOURCE_PROFILE = profiles.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile"
+SOURCE_PROFILE = registry.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile"
 ROPE_THETA = 500000.0  # Llama-3-8B's; the codec un-rotates with whatever the profile says
 QUANTILES = 1 << 16  # inverse-CDF table per stream: resolves tails to ~1e-5
 
@@ -149,7 +149,7 @@ def run(layers: int = 32, heads: int = 8, head_dim: int = 128, tokens: int = 819
 
     t0 = time.perf_counter()
     synth = SyntheticKV(profiles.Profile.load(SOURCE_PROFILE), layers, heads, head_dim, seed)
-    prof = profiles.register(synth.fit(fit_tokens, chunk_tokens, seed=seed + 1_000_000_007))
+    prof = registry.register(synth.fit(fit_tokens, chunk_tokens, seed=seed + 1_000_000_007))
     log(f"synthetic profile for L={layers} H={heads} D={head_dim} fitted on {fit_tokens} tokens "
         f"in {time.perf_counter() - t0:.1f} s")
     with tempfile.TemporaryDirectory() as tmp, \

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import prefilled_document, timed_fetch, write_json
+from . import prefilled_document, profile_keys, timed_fetch, write_json
 from kvstreamd.store.keys import chunk_keys
 from ..lab import netns
 from ..lab.daemons import DaemonProcess, wait_for
@@ -43,18 +43,19 @@ def _metric(d: DaemonProcess, name: str) -> float:
 
 
 def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 5, level: str = "high",
-        model: str | None = None, json_path: str | None = None, log=print) -> dict:
+        model: str | None = None, json_path: str | None = None, log=print, profile: str | None = None) -> dict:
     ok, why = netns.available()
     if not ok:
         raise RuntimeError(f"bench prefetch needs network namespaces: {why}")
     lm, z, kv = prefilled_document(model, tokens, log)
+    profiled = profile_keys(lm.model_id, profile)
     y = [1_000_000 + i for i in range(PREFETCH_TIMES * len(z))]
     y_kv = kv.repeat(1, 1, PREFETCH_TIMES, 1, 1)
     x = [2_000_000 + i for i in range(CHUNK_TOKENS)]
     x_kv = kv[:, :, :CHUNK_TOKENS]
     y_last = chunk_keys(lm.model_id, y, CHUNK_TOKENS)[-1].hex()
     link = netns.Link(rate_mbit=bandwidth_mbit).up()
-    codec = {"chunk_tokens": CHUNK_TOKENS, "levels": [level]}
+    codec = {"chunk_tokens": CHUNK_TOKENS, "levels": [level], **profiled}
     report: dict = {"model": lm.model_id, "tokens": tokens, "prefetch_tokens": len(y), "bandwidth_mbit": bandwidth_mbit,
                     "level": level, "chunk_tokens": CHUNK_TOKENS, "runs": runs}
     with tempfile.TemporaryDirectory(prefix="kvstreamd-prefetch-") as tmp:

@@ -84,7 +84,7 @@ def _save(json_path: str | None, report: dict) -> None:
 def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms: int | None = None,
         trace_file: str | None = None, n_traces: int = 0, methods: list[str] | None = None,
         trace_deadline_ms: int | None = None, json_path: str | None = None, log=print,
-        model: str | None = None) -> dict:
+        model: str | None = None, profile: str | None = None) -> dict:
     ok, why = netns.available()
     if not ok:
         raise SystemExit(f"bench stream needs network namespaces: {why}")
@@ -94,9 +94,11 @@ def run(bandwidths: list[float], tokens: int = 4096, runs: int = 3, deadline_ms:
     # on most traces; 1.5 s/chunk is where the choice of levels decides the outcome.
     trace_deadline_ms = trace_deadline_ms or tokens * 3 // 2
     data_dir = Path("bench-out") / f"stream-{Path(model or models.DEFAULT).name}-{tokens}"
+    if profile:  # chunks coded with another profile are prepared apart
+        data_dir = data_dir.with_name(f"{data_dir.name}-{Path(profile).stem}")
     if not (data_dir / "manifest.json").is_file():
         log(f"preparing {tokens}-token context chunks in {data_dir}")
-        stream_data.prepare(data_dir, tokens=tokens, log=log, model=model)
+        stream_data.prepare(data_dir, tokens=tokens, log=log, model=model, profile_path=profile)
     dppl = _dppl_table(Path("bench-out/codec.json"))
     results = []
     for bw in bandwidths:

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import torch
 
-from codec import baselines, profile as profiles
+from codec import baselines
 from codec.parallel import CodecPool
 
 from .. import models
 from ..lab import corpus
+from . import profile_and_pool
 
 LEVELS = ["fp16", "int8", "high", "balanced", "fast"]  # best quality first; "text" is the last resort
+PROFILE_FILE = "profile.kvprofile"  # the profile the chunks were coded with, kept beside them for the receiver
 
 
 def encode_level(pool: CodecPool, chunk: torch.Tensor, level: str, profile, start: int) -> bytes:
@@ -32,16 +34,19 @@ def decode_level(pool: CodecPool, data: bytes, level: str) -> torch.Tensor:
 
 
 def prepare(out_dir: str | Path, tokens: int = 4096, chunk_tokens: int = 1024, log=print,
-            model: str | None = None) -> dict:
-    """Write chunk{i}.{level} files and manifest.json into out_dir; returns the manifest."""
+            model: str | None = None, profile_path: str | Path | None = None) -> dict:
+    """Write chunk{i}.{level} files and manifest.json into out_dir, coded with the model's
+    profile (the file `profile_path`, else the registry's choice), a copy of which goes there
+    as PROFILE_FILE; returns the manifest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lm = models.load(model)
-    profile = profiles.for_model(lm.model_id)
+    profile, pool = profile_and_pool(lm.model_id, profile_path)
+    profile.save(out / PROFILE_FILE)
     ids = corpus.windows(lm.tokenizer, "test", 1, tokens + 1)[0]
     kv = None
     chunks = []
-    with CodecPool() as pool:
+    with pool:
         for i, start in enumerate(range(0, tokens, chunk_tokens)):
             part = ids[start:start + chunk_tokens]
             t0 = time.perf_counter()
@@ -64,7 +69,7 @@ def prepare(out_dir: str | Path, tokens: int = 4096, chunk_tokens: int = 1024, l
             log(f"chunk {i}: recompute {recompute:.2f} s, bytes " +
                 ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in entry["bytes"].items()))
             chunks.append(entry)
-    manifest = {"model": lm.model_id, "model_name": lm.name, "tokens": tokens, "chunk_tokens": chunk_tokens, "levels": LEVELS,
-                "chunks": chunks}
+    manifest = {"model": lm.model_id, "model_name": lm.name, "profile": profile.id.hex(), "tokens": tokens,
+                "chunk_tokens": chunk_tokens, "levels": LEVELS, "chunks": chunks}
     (out / "manifest.json").write_text(json.dumps(manifest))
     return manifest

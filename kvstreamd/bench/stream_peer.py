@@ -95,16 +95,23 @@ async def serve(args) -> None:
 
 
 async def fetch(args) -> None:
-    from codec import baselines
+    from codec import baselines, registry
     from codec.parallel import CodecPool
 
     from kvstreamd import models
 
+    from kvstreamd.bench.stream_data import PROFILE_FILE
+
     manifest = json.loads((Path(args.dir) / "manifest.json").read_text())
+    profile_file = Path(args.dir) / PROFILE_FILE
+    profiles = ()
+    if profile_file.is_file():  # (data prepared before it was kept there: the registry's profile)
+        registry.for_model(manifest["model"], profile_file)
+        profiles = (profile_file,)
     # Loaded before the clock starts: a serving host has its model loaded already.
     lm = models.load(manifest.get("model_name")) if args.method in ("text", "cachegen-rule", "adaptive") else None
     _, levels = rule_and_levels(args.method)
-    with CodecPool() as pool:
+    with CodecPool(profile_paths=profiles) as pool:
         loop = asyncio.get_running_loop()
         peer = await aio.connect(args.addr, args.port, "bench-receiver", bytes.fromhex(args.secret))
         keys = chunk_keys(manifest["model"], [t for c in manifest["chunks"] for t in c["tokens"]],

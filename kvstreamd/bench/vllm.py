@@ -29,7 +29,7 @@ from ..lab import corpus
 from ..lab.daemons import DaemonProcess, wait_for
 from ..lab.vllm_engine import NEW_TOKENS, Engine, connector_config
 from ..models.engine_folder import engine_folder
-from . import e2e, write_json
+from . import e2e, profile_keys, write_json
 
 METHODS = ["vllm", "kvstreamd", "fp16"]
 CHUNK_TOKENS = 256
@@ -144,8 +144,9 @@ def documents(lm, tokens: int, count: int) -> tuple[list[list[int]], list[int]]:
 
 
 def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_tokens: int = CHUNK_TOKENS,
-        model: str | None = None, json_path: str | None = None, log=print) -> dict:
+        model: str | None = None, json_path: str | None = None, log=print, profile: str | None = None) -> dict:
     lm = models.load(model)
+    codec = profile_keys(lm.model_id, profile)
     max_model_len = tokens + 512  # the document, the question and the answer
     # a warm-up document first: it times vLLM's own prefill, the rate the adaptive rule prices TEXT at
     docs, question = documents(lm, tokens, 2 * runs + 1)
@@ -153,7 +154,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
     warm, docs, unheld = docs[0], docs[1:runs + 1], docs[runs + 1:]
     deadline_ms = round(e2e.DEADLINE_MS_PER_1K * tokens / 1024)
     with tempfile.TemporaryDirectory(prefix="kvstreamd-bvllm-") as tmp, \
-            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False) as (h, why_not):
+            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False, codec=codec) as (h, why_not):
         root = Path(tmp)
         if why_not:
             log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "

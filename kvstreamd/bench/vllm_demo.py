@@ -16,19 +16,21 @@ from pathlib import Path
 from .. import models
 from ..lab.vllm_engine import NEW_TOKENS, Server, connector_config
 from ..models.engine_folder import engine_folder
-from . import e2e, write_json
+from . import e2e, profile_keys, write_json
 from .vllm import CHUNK_TOKENS, documents, wait_held
 
 
 def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, model: str | None = None,
-        chunk_tokens: int = CHUNK_TOKENS, json_path: str | None = None, log=print) -> dict:
+        chunk_tokens: int = CHUNK_TOKENS, json_path: str | None = None, log=print,
+        profile: str | None = None) -> dict:
     lm = models.load(model)
+    codec = profile_keys(lm.model_id, profile)
     docs, question = documents(lm, tokens, 3)
     warm_a, warm_b, doc = docs
     prompt = doc + question
     deadline_ms = round(e2e.DEADLINE_MS_PER_1K * tokens / 1024)
     with tempfile.TemporaryDirectory(prefix="kvstreamd-demo-vllm-") as tmp, \
-            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False) as (h, why_not):
+            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False, codec=codec) as (h, why_not):
         root = Path(tmp)
         if why_not:
             log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from codec import baselines, bitstream as bs, catalog, levels as codec_levels, profile as profiles
+from codec import baselines, bitstream as bs, catalog, levels as codec_levels, registry
 from codec.errors import CodecError
 from codec.profile import Profile
 
@@ -96,7 +96,7 @@ def _bitstream(payload: bytes | memoryview, level: str, chunk: Wanted) -> None:
         raise Refused("wrong_range", f"it holds tokens [{h.start}, {h.start + h.tokens}), not the chunk's "
                                      f"[{chunk.start}, {chunk.end})")
     try:
-        prof = profiles.find(h.profile_id)
+        prof = registry.find(h.profile_id)
     except CodecError as e:
         raise Refused("unknown_profile", str(e)) from None
     if prof.model_id != chunk.model_id:

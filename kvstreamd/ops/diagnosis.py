@@ -9,7 +9,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from codec import catalog, rans
+from codec import catalog, rans, registry
 from codec.errors import CodecError
 from transport import aio
 from transport.bandwidth import CLOCK_TICK, MIN_SAMPLE_BYTES, Probe, crossing_s
@@ -101,9 +101,10 @@ def _profile_of(coder: Coder, model_id: str) -> dict:
         prof = coder.profile_for(model_id)
     except CodecError as e:
         return {"profile": None, "profile_error": str(e)}
+    configured = prof is coder.profile
     return {"profile": {"id": prof.id.hex(), "path": str(prof.path) if prof.path else None,
-                        "configured": prof is coder.profile, "layers": prof.layers, "heads": prof.heads,
-                        "head_dim": prof.head_dim}}
+                        "configured": configured, "source": "configured" if configured else registry.source(prof),
+                        "layers": prof.layers, "heads": prof.heads, "head_dim": prof.head_dim}}
 
 
 async def probe_peers(peers: PeerManager, size: int = PROBE_BYTES, timeout_s: float = PROBE_TIMEOUT_S) -> list[dict]:

@@ -294,10 +294,10 @@ def profiles(models: list[dict]) -> list[Check]:
         p = m["profile"]
         if p is None:
             out.append(Check(name, FAIL, f"{held}; no profile here: {m.get('profile_error')}",
-                             "set [codec] profile to this model's .kvprofile (kvstreamd profile calibrate makes one)", m))
+                             "set [codec] profile to this model's .kvprofile, or put it in the daemon's user profile "
+                             "folder (kvstreamd profile calibrate makes one; README.md \"Profiles\")", m))
             continue
-        source = "configured" if p["configured"] else "shipped"
-        out.append(Check(name, OK, f"{held}; {source} profile {p['id'][:16]} "
+        out.append(Check(name, OK, f"{held}; {p['source']} profile {p['id'][:16]} "
                                    f"({p['layers']} layers x {p['heads']} KV heads x {p['head_dim']})", data=m))
     return out
 

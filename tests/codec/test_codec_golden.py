@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import codec
-from codec import profile as profiles
+from codec import registry
 from tests import fixtures
 
 DATA = fixtures.DATA / "codec-v1"
@@ -26,9 +26,9 @@ WRITTEN_WITH = json.loads((DATA / "profile.json").read_text())
 
 @pytest.fixture(scope="module")
 def prof():
-    old = profiles.find(bytes.fromhex(WRITTEN_WITH["id"]))
+    old = registry.find(bytes.fromhex(WRITTEN_WITH["id"]))
     assert old.meta["level_scales"] == WRITTEN_WITH["meta"]["level_scales"]
-    assert profiles.for_model(MODEL).id != old.id  # encoding takes the current profile
+    assert registry.for_model(MODEL).id != old.id  # encoding takes the current profile
     return old
 
 

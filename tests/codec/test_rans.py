@@ -145,8 +145,8 @@ def test_codec_works_without_a_compiler(tmp_path, small_profile):
 
     path = small_profile.save(tmp_path / "small.kvprofile")
     code = ("import sys, logging; logging.basicConfig();"
-            "from codec import encode, profile, rans; from tests.fixtures import synthetic_kv;"
-            f"p = profile.Profile.load({str(path)!r}); profile.register(p);"
+            "from codec import encode, profile, rans, registry; from tests.fixtures import synthetic_kv;"
+            f"p = profile.Profile.load({str(path)!r}); registry.register(p);"
             "d = encode(synthetic_kv(21, seed=5).half(), 'high', p, start=3);"
             "assert rans.library() is None; sys.stdout.buffer.write(d)")
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path), HOME=str(tmp_path))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import codec
-from codec import bitstream as bs, layout, profile as profiles, rope
+from codec import bitstream as bs, layout, profile as profiles, registry, rope
 from codec.errors import CodecError
 from codec.layout import Layout, PrefixKV
 
@@ -34,7 +34,7 @@ def hybrid_profile(tmp_path_factory) -> profiles.Profile:
     path = tmp_path_factory.mktemp("hybrid") / "hybrid.kvprofile"
     prof.save(path)
     prof = profiles.Profile.load(path)
-    profiles.register(prof)
+    registry.register(prof)
     return prof
 
 

@@ -4,6 +4,7 @@ gives the same bytes, and calibration makes a working profile from scratch."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import codec
-from codec import profile as profiles
+from codec import registry
 from codec.parallel import CodecPool
 from kvstreamd import models
 from kvstreamd.lab import calibrate, corpus, quality
@@ -30,7 +31,7 @@ def case(lm):
 
 @pytest.fixture(scope="module")
 def shipped(lm):
-    return profiles.for_model(lm.model_id)
+    return registry.for_model(lm.model_id)
 
 
 def roundtrip(kv, level, profile):
@@ -150,15 +151,27 @@ def test_codec_sensitivity_follows_what_an_error_costs_the_model(lm, shipped, sh
     assert share(after) > 4 * share(before)
 
 
-def test_bench_codec_command_writes_its_json(tmp_path):
+def _own_copy(shipped) -> "codec.Profile":
+    """The shipped profile's tables as a profile of the user's own (another id)."""
+    return codec.Profile(dict(shipped.meta, source="the user's own"), dict(shipped.tensors))
+
+
+def test_bench_codec_command_writes_its_json(tmp_path, shipped):
+    """...coding with the user folder's profile (a profile calibrated there is measured)."""
+    folder = tmp_path / "user-profiles"
+    folder.mkdir()
+    mine = _own_copy(shipped)
+    path = mine.save(folder / "smollm2-mine.kvprofile")
     out = tmp_path / "codec.json"
     proc = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "bench", "codec", "--tokens", "384",
                            "--contexts", "1", "--continuation", "32", "--chunk-tokens", "256",
                            "--schemes", "fp16", "int8", "cachegen:fast", "--texts", "wikitext", "legal",
                            "--json", str(out), "--plot", str(tmp_path / "plot.png")],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, registry.PROFILE_DIR_ENV: str(folder)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
+    assert report["profile"] == {"id": mine.id.hex(), "path": str(path), "source": "user"}
     assert report["tokens"] == 384 and report["contexts"] == 1
     assert report["text"] == "wikitext" and list(report["texts"]) == ["wikitext", "legal"]
     assert report["results"] == report["texts"]["wikitext"]["results"]  # the top level: the first kind's
@@ -174,3 +187,26 @@ def test_bench_codec_command_writes_its_json(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 1000
     assert "cachegen:fast" in proc.stdout and "legal test contexts" in proc.stdout
     assert "| scheme | wikitext: KL | Δppl | x fp16 | legal: KL" in proc.stdout
+
+
+def test_bench_codec_codes_with_the_profile_named(tmp_path, shipped):
+    """--profile PATH, a file in no folder the registry searches: the report names it, and the
+    pool's workers coded with it (bench codec checks their bytes against the parent's). Another
+    model's profile is refused in one line."""
+    mine = _own_copy(shipped)
+    path = mine.save(tmp_path / "named.kvprofile")
+    out = tmp_path / "codec.json"
+    argv = [sys.executable, "-m", "kvstreamd.cli", "bench", "codec", "--tokens", "256", "--contexts", "1",
+            "--continuation", "16", "--chunk-tokens", "256", "--schemes", "cachegen:fast", "--texts", "wikitext",
+            "--json", str(out), "--plot", ""]
+    proc = subprocess.run([*argv, "--profile", str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["profile"] == {"id": mine.id.hex(), "path": str(path), "source": "explicit"}
+    assert f"coded with the explicit profile {mine.id.hex()}" in proc.stdout
+
+    other = codec.Profile(dict(shipped.meta, model_id="another-model:0000000000000000"), dict(shipped.tensors))
+    proc = subprocess.run([*argv, "--profile", str(other.save(tmp_path / "other.kvprofile"))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"kvstreamd bench codec: {tmp_path / 'other.kvprofile'}: "
+                                                           "the profile of model 'another-model:")

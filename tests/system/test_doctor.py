@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import codec
-from codec import profile as profiles
+from codec import profile as profiles, registry
 from tests.fixtures import synthetic_daemon, synthetic_kv
 from kvstreamd.ops import doctor
 from kvstreamd.client import AsyncClient, ClientError
@@ -120,6 +120,7 @@ def test_doctor_against_a_healthy_cluster_is_all_ok_and_exits_0(cluster):
     assert rc == doctor.EXIT[report["status"]] and (rc == 0 or no_avx2), report
     assert checks["peer a"]["figure"].startswith(a.addr) and "Mbit/s" in checks["peer a"]["figure"]
     assert checks["hit rate"]["figure"].startswith("100%")
+    assert "; configured profile " in checks[f"profile {MODEL}"]["figure"]  # [codec] profile, not the folders'
     assert set(checks["clock offset"]["data"]["offset_s"]) == {"a"}  # a's PONG said its clock
 
 
@@ -180,7 +181,7 @@ def test_a_daemon_that_timed_no_decode_measures_one_now_on_a_stored_chunk(cluste
     """A chunk in SmolLM2-135M's shape (its shipped profile; 5.9 MB of fp16 for 256 tokens),
     big enough for a decode to be timed, unlike the small synthetic model's."""
     e = cluster["e"]
-    shipped = profiles.Profile.load(profiles.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile")
+    shipped = profiles.Profile.load(registry.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile")
     kv = synthetic_kv(256, seed=20, layers=shipped.layers, heads=shipped.heads, head_dim=shipped.head_dim).half()
     e.client().put(shipped.model_id, list(range(256)), kv)
     prior = round(PRIOR_MBPS_PER_WORKER * 0.8, 1)  # kvstreamd/coder.py's, for one worker

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codec import profile as profiles
+from codec import registry
 from codec.layout import PrefixKV
 
 
@@ -28,7 +28,7 @@ def test_gemma_is_read_as_hybrid_with_two_rotary_bases(gemma):
 
 
 def test_the_shipped_profile_is_this_models(gemma):
-    prof = profiles.for_model(gemma.model_id)
+    prof = registry.for_model(gemma.model_id)
     assert prof.layer_windows == gemma.layout.windows
     assert prof.unrotates_keys and prof.rope_kind(5) != prof.rope_kind(0)
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from codec import profile as profiles
+from codec import registry
 from kvstreamd.ops import preload
 from kvstreamd.lab import corpus
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
@@ -88,7 +88,7 @@ def test_a_stored_document_is_not_prefilled_again_only_pinned(preloaded, lm):
 def test_filling_the_store_past_its_budgets_evicts_none_of_the_preloaded(preloaded, lm):
     node, docs = preloaded
     c = node.client()
-    prof = profiles.for_model(lm.model_id)
+    prof = registry.for_model(lm.model_id)
     pinned_bytes = c.status()["store"]["pinned_bytes"]
     others = []
     for i in range(30):  # until three unpinned contexts have been evicted

@@ -1,0 +1,148 @@
+"""Where profiles come from (codec.registry): explicit ones, then the user profile folder, then
+the shipped one; the user folder searched by every process, codec workers included; a file
+there that does not load named in one warning, the others still coding.
+
+The registry is the process's: each test codes a model id of its own, so what one test put in
+the registry chooses nothing for another."""
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import codec
+from codec import profile as profiles, registry
+from codec.parallel import CodecPool
+from tests.fixtures import synthetic_kv
+
+
+def _model() -> str:
+    return f"user-model-{uuid.uuid4().hex[:8]}:{uuid.uuid4().hex[:16]}"
+
+
+def _profile_of(small_profile: profiles.Profile, model_id: str, note: str = "") -> profiles.Profile:
+    """The small synthetic profile's tables as model_id's own profile (a new id)."""
+    return profiles.Profile(dict(small_profile.meta, model_id=model_id, source=note), dict(small_profile.tensors))
+
+
+@pytest.fixture
+def user_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "user-profiles"
+    folder.mkdir()
+    monkeypatch.setenv(registry.PROFILE_DIR_ENV, str(folder))
+    return folder
+
+
+def test_the_user_folder_follows_the_environment(tmp_path):
+    assert registry.user_dir({registry.PROFILE_DIR_ENV: str(tmp_path), "XDG_DATA_HOME": "/x"}) == tmp_path
+    assert registry.user_dir({"XDG_DATA_HOME": "/data", "HOME": "/home/u"}) == Path("/data/kvstreamd/profiles")
+    for env in ({"HOME": "/home/u"}, {"XDG_DATA_HOME": "relative/ignored", "HOME": "/home/u"},
+                {registry.PROFILE_DIR_ENV: "", "HOME": "/home/u"}):
+        assert str(registry.user_dir(env)) == "/home/u/.local/share/kvstreamd/profiles", env
+    assert [f.name for f in registry.folders()] == ["user", "shipped"]
+
+
+def test_calibrate_names_its_file_in_the_user_folder_by_model_and_id(user_folder, small_profile):
+    prof = _profile_of(small_profile, "My Model/v2_Q4:0123456789abcdef")
+    path = registry.user_file(prof)
+    assert path.parent == user_folder
+    assert path.name == f"my-model-v2_q4-{prof.id.hex()[:8]}.kvprofile"
+
+
+def test_a_user_folder_profile_codes_here_and_in_a_codec_worker(user_folder, small_profile, caplog):
+    """A profile saved to the user folder is what for_model gives its model, find knows it by
+    id, and a codec worker (handed no profile file) codes with it: the parent decodes its chunk."""
+    model = _model()
+    prof = _profile_of(small_profile, model)
+    path = prof.save(user_folder / "mine.kvprofile")
+    (user_folder / "damaged.kvprofile").write_bytes(b"\x00" * 40)  # beside it: skipped, not fatal
+    with caplog.at_level(logging.WARNING, logger="codec.registry"):
+        chosen = registry.for_model(model)
+    assert chosen.id == prof.id and chosen.path == path
+    assert registry.find(prof.id) is chosen and registry.source(chosen) == "user"
+    kv = synthetic_kv(70, seed=3).half()
+    with CodecPool(1, warm_levels=()) as pool:
+        data = pool.encode(kv, "balanced", chosen, start=5)
+        from_worker = pool.decode(data).clone()
+    assert torch.equal(from_worker, codec.decode(data))
+    assert data == codec.encode(kv, "balanced", chosen, start=5)
+    assert torch.equal(codec.decode(data), codec.decode(codec.encode(kv, "balanced", prof, start=5)))
+    warned = [r.getMessage() for r in caplog.records if r.name == "codec.registry"]
+    assert [w.split(": ")[1] for w in warned] == [str(user_folder / "damaged.kvprofile")]
+
+
+def test_a_damaged_file_in_the_user_folder_is_one_warning_naming_it(user_folder, small_profile, caplog):
+    model = _model()
+    good = _profile_of(small_profile, model)
+    good.save(user_folder / "good.kvprofile")
+    bad = user_folder / "bad.kvprofile"
+    bad.write_bytes(b"not a profile at all")
+    empty = user_folder / "empty.kvprofile"
+    empty.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="codec.registry"):
+        assert registry.for_model(model).id == good.id
+        kv = synthetic_kv(40, seed=4)
+        assert codec.decode(codec.encode(kv, "fast", good, start=0)).shape == kv.shape  # others decode
+        with pytest.raises(codec.CodecError) as unknown:
+            registry.find(b"\x01" * 16)  # a miss reads the folder again: the files are not warned of twice
+        with pytest.raises(codec.CodecError) as none:
+            registry.for_model(_model())
+    warned = [r.getMessage() for r in caplog.records if r.name == "codec.registry"]
+    assert len(warned) == 2, warned
+    assert all("\n" not in w and w.startswith("profile file skipped: ") for w in warned)
+    assert any(w.startswith(f"profile file skipped: {bad}: not a readable profile file") for w in warned)
+    assert any(w.startswith(f"profile file skipped: {empty}: ") for w in warned)
+    for e in (unknown.value, none.value):
+        assert f"skipped: {bad}: not a readable profile file" in str(e) and str(user_folder) in str(e)
+
+
+def test_user_folder_before_shipped_and_newest_file_first(user_folder, small_profile):
+    shipped = profiles.Profile.load(registry.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile")
+    mine = _profile_of(small_profile, shipped.model_id, "the user's own")
+    mine.save(user_folder / "smollm2-mine.kvprofile")
+    assert registry.for_model(shipped.model_id).id == mine.id  # the user folder before the shipped one
+
+    model = _model()
+    older, newer = (_profile_of(small_profile, model, n) for n in ("older", "newer"))
+    older_path, newer_path = older.save(user_folder / "b-older.kvprofile"), newer.save(user_folder / "z-newer.kvprofile")
+    os.utime(older_path, ns=(2_000_000_000_000_000_000,) * 2)
+    os.utime(newer_path, ns=(2_000_000_001_000_000_000,) * 2)
+    assert registry.for_model(model).id == newer.id
+    assert registry.find(older.id).id == older.id  # the one not chosen still decodes
+
+    tied = _model()
+    first, second = (_profile_of(small_profile, tied, n) for n in ("first", "second"))
+    for name, prof in (("a.kvprofile", first), ("b.kvprofile", second)):
+        os.utime(prof.save(user_folder / name), ns=(2_000_000_000_000_000_000,) * 2)
+    assert registry.for_model(tied).id == first.id  # equal times: the name first in order
+
+
+def test_explicit_before_the_user_folder(user_folder, small_profile, tmp_path):
+    model = _model()
+    in_folder = _profile_of(small_profile, model, "in the folder")
+    in_folder.save(user_folder / "in-folder.kvprofile")
+    named = _profile_of(small_profile, model, "named")
+    path = named.save(tmp_path / "named.kvprofile")
+    assert registry.for_model(model).id == in_folder.id
+    chosen = registry.for_model(model, path)
+    assert chosen.id == named.id and registry.source(chosen) == "explicit"
+    assert registry.for_model(model).id == named.id  # named once, it codes the model in this process
+    with pytest.raises(codec.CodecError, match="not of 'another-model'"):
+        registry.for_model("another-model", path)
+    with pytest.raises(codec.CodecError, match="no-such.kvprofile"):
+        registry.for_model(model, tmp_path / "no-such.kvprofile")
+
+
+def test_a_retired_profile_in_the_user_folder_only_decodes(user_folder, small_profile):
+    model = _model()
+    old = _profile_of(small_profile, model, "retired")
+    (user_folder / "retired").mkdir()
+    old.save(user_folder / "retired" / "old.kvprofile")
+    data = codec.encode(synthetic_kv(30, seed=6), "high", old, start=0)
+    assert codec.decode(data).shape[2] == 30  # found by the id the chunk names
+    with pytest.raises(codec.CodecError, match="no codec profile for model"):
+        registry.for_model(model)
