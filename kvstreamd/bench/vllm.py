@@ -22,7 +22,9 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from .. import models
 from ..lab import corpus
@@ -143,6 +145,26 @@ def documents(lm, tokens: int, count: int) -> tuple[list[list[int]], list[int]]:
         question
 
 
+def deadline_for(tokens: int) -> int:
+    """A fetch's deadline for a `tokens`-token document: the e2e bench's, 500 ms per 1024 tokens."""
+    return round(e2e.DEADLINE_MS_PER_1K * tokens / 1024)
+
+
+@contextmanager
+def vllm_hosts(model: str | None, bandwidth_mbit: float, chunk_tokens: int, codec: dict, prefix: str,
+               log) -> Iterator[tuple[e2e.Hosts, Path, Path]]:
+    """Two daemons as two hosts across a link shaped to `bandwidth_mbit` (b keeps nothing it
+    fetches), a scratch folder, and the model folder vLLM serves: (hosts, scratch, folder)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp, \
+            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False, codec=codec) as (h, why_not):
+        root = Path(tmp)
+        if why_not:
+            log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
+                "unshaped, so --bandwidth has no effect")
+        h.shape(bandwidth_mbit)
+        yield h, root, engine_folder(model, root / "model")
+
+
 def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_tokens: int = CHUNK_TOKENS,
         model: str | None = None, json_path: str | None = None, log=print, profile: str | None = None) -> dict:
     lm = models.load(model)
@@ -152,15 +174,8 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
     docs, question = documents(lm, tokens, 2 * runs + 1)
     # and documents nobody holds: a miss, with the connector (its lookup and its put) and without
     warm, docs, unheld = docs[0], docs[1:runs + 1], docs[runs + 1:]
-    deadline_ms = round(e2e.DEADLINE_MS_PER_1K * tokens / 1024)
-    with tempfile.TemporaryDirectory(prefix="kvstreamd-bvllm-") as tmp, \
-            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False, codec=codec) as (h, why_not):
-        root = Path(tmp)
-        if why_not:
-            log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
-                "unshaped, so --bandwidth has no effect")
-        h.shape(bandwidth_mbit)
-        folder = engine_folder(model, root / "model")
+    deadline_ms = deadline_for(tokens)
+    with vllm_hosts(model, bandwidth_mbit, chunk_tokens, codec, "kvstreamd-bvllm-", log) as (h, root, folder):
         rows = {(r, m): {"run": r, "method": m} for r in range(runs) for m in METHODS}
         # One engine at a time (each holds ~3.5 GB; the others are closed, not idle beside it).
         log("host a's vLLM computes the documents; its connector puts them into a's daemon")
@@ -259,4 +274,4 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run", "table", "floors", "documents", "TTFT_FLOOR"]
+__all__ = ["run", "table", "floors", "documents", "deadline_for", "vllm_hosts", "TTFT_FLOOR"]

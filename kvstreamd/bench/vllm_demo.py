@@ -10,14 +10,10 @@ Host a's time is vLLM computing the prompt plus what its connector adds on a mis
 `kvstreamd bench vllm` measures vLLM without a connector, with medians over documents."""
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 from .. import models
 from ..lab.vllm_engine import NEW_TOKENS, Server, connector_config
-from ..models.engine_folder import engine_folder
-from . import e2e, profile_keys, write_json
-from .vllm import CHUNK_TOKENS, documents, wait_held
+from . import profile_keys, write_json
+from .vllm import CHUNK_TOKENS, deadline_for, documents, vllm_hosts, wait_held
 
 
 def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, model: str | None = None,
@@ -28,15 +24,8 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, model: str | None = N
     docs, question = documents(lm, tokens, 3)
     warm_a, warm_b, doc = docs
     prompt = doc + question
-    deadline_ms = round(e2e.DEADLINE_MS_PER_1K * tokens / 1024)
-    with tempfile.TemporaryDirectory(prefix="kvstreamd-demo-vllm-") as tmp, \
-            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False, codec=codec) as (h, why_not):
-        root = Path(tmp)
-        if why_not:
-            log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
-                "unshaped, so --bandwidth has no effect")
-        h.shape(bandwidth_mbit)
-        folder = engine_folder(model, root / "model")
+    deadline_ms = deadline_for(tokens)
+    with vllm_hosts(model, bandwidth_mbit, chunk_tokens, codec, "kvstreamd-demo-vllm-", log) as (h, root, folder):
         log(f"starting two vLLM servers ({lm.model_id}), each with the connector beside its daemon (20-60 s)")
         servers = [Server(folder, connector_config(d.socket, deadline_ms=deadline_ms), root / f"vllm-{d.name}.log",
                           max_model_len=tokens + 512) for d in (h.a, h.b)]
