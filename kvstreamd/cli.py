@@ -4,6 +4,7 @@ the benchmarks and the demo are bench/commands.py's."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -288,8 +289,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as e:
+        # codec.errors.ProfileError (a --profile that does not load or is another model's, or none
+        # for the model): one line, exit status 2. Looked up, not imported: importing the codec
+        # loads torch, which a command that codes nothing never needs.
+        errors = sys.modules.get("codec.errors")
+        if errors is None or not isinstance(e, errors.ProfileError):
+            raise
+        command = " ".join(itertools.takewhile(lambda word: not word.startswith("-"), argv))
+        print(f"kvstreamd {command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

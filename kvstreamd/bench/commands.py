@@ -16,24 +16,12 @@ def _report(text: str, json_path: str | None) -> None:
         print(f"\nJSON written to {json_path}")
 
 
-def _no_profile(command: str, e: Exception) -> int:
-    """A --profile that does not load or is another model's, or no profile for the model
-    (codec.errors.ProfileError): one line, exit status 2."""
-    print(f"kvstreamd {command}: {e}", file=sys.stderr)
-    return 2
-
-
 def _bench_codec(args: argparse.Namespace) -> int:
-    from codec.errors import ProfileError
-
     from . import codec as bench
 
-    try:
-        report = bench.run(tokens=args.tokens, contexts=args.contexts, continuation=args.continuation,
-                           chunk_tokens=args.chunk_tokens, schemes=args.schemes, json_path=args.json,
-                           plot_path=args.plot, texts=args.texts, model=args.model, profile=args.profile)
-    except ProfileError as e:
-        return _no_profile("bench codec", e)
+    report = bench.run(tokens=args.tokens, contexts=args.contexts, continuation=args.continuation,
+                       chunk_tokens=args.chunk_tokens, schemes=args.schemes, json_path=args.json,
+                       plot_path=args.plot, texts=args.texts, model=args.model, profile=args.profile)
     used = report["profile"]
     print(f"\n{report['model']}: coded with the {used['source']} profile {used['id']} ({used['path']})")
     for kind, t in report["texts"].items():
@@ -50,17 +38,12 @@ def _bench_codec(args: argparse.Namespace) -> int:
 
 
 def _bench_stream(args: argparse.Namespace) -> int:
-    from codec.errors import ProfileError
-
     from . import stream as bench
 
     bandwidths = [float(b.lower().removesuffix("mbit")) for b in args.bandwidth]
-    try:
-        report = bench.run(bandwidths, tokens=args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
-                           trace_file=args.trace, n_traces=args.traces, methods=args.methods, json_path=args.json,
-                           model=args.model, profile=args.profile)
-    except ProfileError as e:
-        return _no_profile("bench stream", e)
+    report = bench.run(bandwidths, tokens=args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
+                       trace_file=args.trace, n_traces=args.traces, methods=args.methods, json_path=args.json,
+                       model=args.model, profile=args.profile)
     print()
     print(f"{report['tokens']}-token context, deadline {report['deadline_ms']} ms")
     print(bench.table(report))
@@ -96,17 +79,12 @@ def _trace(path: str | None) -> list[float] | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from codec.errors import ProfileError
-
     from . import e2e
 
-    try:
-        report = e2e.run(_mbits([args.bandwidth]), [args.tokens], runs=1, deadline_ms=args.deadline_ms,
-                         trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000, json_path=args.json,
-                         plot_path=args.plot, progress=not args.quiet, chunk_tokens=args.chunk_tokens,
-                         model=args.model, profile=args.profile)
-    except ProfileError as e:
-        return _no_profile("demo", e)
+    report = e2e.run(_mbits([args.bandwidth]), [args.tokens], runs=1, deadline_ms=args.deadline_ms,
+                     trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000, json_path=args.json,
+                     plot_path=args.plot, progress=not args.quiet, chunk_tokens=args.chunk_tokens,
+                     model=args.model, profile=args.profile)
     print()
     print(f"{report['model']}, document of {report['runs'][0]['doc_tokens']} WikiText-2 tokens stored on host a, "
           f"prompt = document + question on host b, deadline {report['runs'][0]['deadline_ms']} ms"
@@ -119,15 +97,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _demo_vllm(args: argparse.Namespace) -> int:
-    from codec.errors import ProfileError
-
     from . import vllm_demo
 
-    try:
-        report = vllm_demo.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], model=args.model,
-                               chunk_tokens=args.chunk_tokens, json_path=args.json, profile=args.profile)
-    except ProfileError as e:
-        return _no_profile("demo-vllm", e)
+    report = vllm_demo.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], model=args.model,
+                           chunk_tokens=args.chunk_tokens, json_path=args.json, profile=args.profile)
     print()
     print(vllm_demo.summary(report))
     print(f"\nJSON: {args.json}")
@@ -135,17 +108,12 @@ def _demo_vllm(args: argparse.Namespace) -> int:
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
-    from codec.errors import ProfileError
-
     from . import e2e
 
-    try:
-        report = e2e.run(_mbits(args.bandwidth), args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
-                         methods=args.methods, trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000,
-                         json_path=args.json, plot_path=args.plot, progress=not args.quiet, model=args.model,
-                         chunk_tokens=args.chunk_tokens, profile=args.profile)
-    except ProfileError as e:
-        return _no_profile("bench e2e", e)
+    report = e2e.run(_mbits(args.bandwidth), args.tokens, runs=args.runs, deadline_ms=args.deadline_ms,
+                     methods=args.methods, trace=_trace(args.trace), trace_step_s=args.trace_step_ms / 1000,
+                     json_path=args.json, plot_path=args.plot, progress=not args.quiet, model=args.model,
+                     chunk_tokens=args.chunk_tokens, profile=args.profile)
     print()
     print(e2e.table(report))
     print(f"\nJSON written to {args.json}")
@@ -153,16 +121,11 @@ def _bench_e2e(args: argparse.Namespace) -> int:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    from codec.errors import ProfileError
-
     from . import vllm as bench
 
-    try:
-        report = bench.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], runs=args.runs,
-                           chunk_tokens=args.chunk_tokens, model=args.model, json_path=args.json,
-                           profile=args.profile)
-    except ProfileError as e:
-        return _no_profile("bench vllm", e)
+    report = bench.run(tokens=args.tokens, bandwidth_mbit=_mbits([args.bandwidth])[0], runs=args.runs,
+                       chunk_tokens=args.chunk_tokens, model=args.model, json_path=args.json,
+                       profile=args.profile)
     _report(bench.table(report), args.json)
     return 0 if all(bench.floors(report).values()) else 1
 
@@ -179,29 +142,19 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _bench_fanout(args: argparse.Namespace) -> int:
-    from codec.errors import ProfileError
-
     from . import fanout as bench
 
-    try:
-        report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
-                           holders=args.holders, model=args.model, json_path=args.json, profile=args.profile)
-    except ProfileError as e:
-        return _no_profile("bench fanout", e)
+    report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
+                       holders=args.holders, model=args.model, json_path=args.json, profile=args.profile)
     _report(bench.table(report), args.json)
     return 0 if all(report["floors"].values()) else 1
 
 
 def _bench_prefetch(args: argparse.Namespace) -> int:
-    from codec.errors import ProfileError
-
     from . import prefetch as bench
 
-    try:
-        report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
-                           model=args.model, json_path=args.json, profile=args.profile)
-    except ProfileError as e:
-        return _no_profile("bench prefetch", e)
+    report = bench.run(tokens=args.tokens, bandwidth_mbit=args.bandwidth, runs=args.runs, level=args.level,
+                       model=args.model, json_path=args.json, profile=args.profile)
     _report(bench.table(report), args.json)
     return 0 if all(report["floors"].values()) else 1
 
