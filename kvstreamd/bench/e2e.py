@@ -47,6 +47,11 @@ GENERATE = 8  # tokens generated per answer (the first is what TTFT waits for)
 DEADLINE_MS_PER_1K = 500  # the default SLO: half a second per 1024 tokens of context (2 s for 4096)
 
 
+def deadline_for(tokens: int) -> int:
+    """The default deadline of a fetch of a `tokens`-token context, in ms (DEADLINE_MS_PER_1K)."""
+    return round(DEADLINE_MS_PER_1K * tokens / 1024)
+
+
 @dataclass
 class Hosts:
     a: DaemonProcess
@@ -259,7 +264,7 @@ def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadlin
             text_len = doc_len - len(head)
             for r, w in enumerate(corpus.windows(lm.tokenizer, "test", runs, text_len + cont_len + 1)):
                 log(f"{tokens} tokens, run {r + 1}/{runs}: a user turn opening with {text_len} tokens of test.txt")
-                deadline = deadline_ms or round(DEADLINE_MS_PER_1K * doc_len / 1024)
+                deadline = deadline_ms or deadline_for(doc_len)
                 new = one_context(lm, h, head + w[:text_len], w[text_len:], bandwidths, deadline, methods, trace,
                                   trace_step_s, progress, log, chunk_tokens)
                 for row in new:

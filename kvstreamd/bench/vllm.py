@@ -145,11 +145,6 @@ def documents(lm, tokens: int, count: int) -> tuple[list[list[int]], list[int]]:
         question
 
 
-def deadline_for(tokens: int) -> int:
-    """A fetch's deadline for a `tokens`-token document: the e2e bench's, 500 ms per 1024 tokens."""
-    return round(e2e.DEADLINE_MS_PER_1K * tokens / 1024)
-
-
 @contextmanager
 def vllm_hosts(model: str | None, bandwidth_mbit: float, chunk_tokens: int, codec: dict, prefix: str,
                log) -> Iterator[tuple[e2e.Hosts, Path, Path]]:
@@ -174,7 +169,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
     docs, question = documents(lm, tokens, 2 * runs + 1)
     # and documents nobody holds: a miss, with the connector (its lookup and its put) and without
     warm, docs, unheld = docs[0], docs[1:runs + 1], docs[runs + 1:]
-    deadline_ms = deadline_for(tokens)
+    deadline_ms = e2e.deadline_for(tokens)
     with vllm_hosts(model, bandwidth_mbit, chunk_tokens, codec, "kvstreamd-bvllm-", log) as (h, root, folder):
         rows = {(r, m): {"run": r, "method": m} for r in range(runs) for m in METHODS}
         # One engine at a time (each holds ~3.5 GB; the others are closed, not idle beside it).
@@ -274,4 +269,4 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run", "table", "floors", "documents", "deadline_for", "vllm_hosts", "TTFT_FLOOR"]
+__all__ = ["run", "table", "floors", "documents", "vllm_hosts", "TTFT_FLOOR"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from .. import models
 from ..lab.vllm_engine import NEW_TOKENS, Server, connector_config
-from . import profile_keys, write_json
-from .vllm import CHUNK_TOKENS, deadline_for, documents, vllm_hosts, wait_held
+from . import e2e, profile_keys, write_json
+from .vllm import CHUNK_TOKENS, documents, vllm_hosts, wait_held
 
 
 def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, model: str | None = None,
@@ -24,7 +24,7 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, model: str | None = N
     docs, question = documents(lm, tokens, 3)
     warm_a, warm_b, doc = docs
     prompt = doc + question
-    deadline_ms = deadline_for(tokens)
+    deadline_ms = e2e.deadline_for(tokens)
     with vllm_hosts(model, bandwidth_mbit, chunk_tokens, codec, "kvstreamd-demo-vllm-", log) as (h, root, folder):
         log(f"starting two vLLM servers ({lm.model_id}), each with the connector beside its daemon (20-60 s)")
         servers = [Server(folder, connector_config(d.socket, deadline_ms=deadline_ms), root / f"vllm-{d.name}.log",
