@@ -12,9 +12,10 @@ from .quantize import dequantize, quantize
 
 
 def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Profile | None = None,
-           start: int = 0) -> bytes:
+           start: int = 0, scale: float | None = None) -> bytes:
     """Compress one chunk of KV [L, 2, T, H, D] (fp16, bf16 or fp32) whose first token sits at
-    absolute position `start`. Pure CPU work that holds the GIL: never call it on an event loop."""
+    absolute position `start`; `scale`: the chunk's own step scale (codec.rate.scales), else the
+    level's. Pure CPU work that holds the GIL: never call it on an event loop."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"KV must be [L, 2, T, H, D], got {tuple(kv.shape)}")
     if kv.dtype not in bs.DTYPE_CODES:
@@ -26,16 +27,17 @@ def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Pr
     if profile is None:
         raise ValueError("encode needs the model's profile (codec.registry.for_model(model_id))")
     profile.check_shape(L, H, D)
-    h = header_of(kv, lv, profile, start)
+    h = header_of(kv, lv, profile, start, scale)
     angles = key_angles(h.transforms, start, h.sink_tokens, T, profile)
     h.substreams = [encode_stream(kv[layer, k_or_v], layer, k_or_v, h.transforms, h.steps, lv.anchor_step, start,
                                   h.sink_tokens, profile, angles) for layer in range(L) for k_or_v in range(2)]
     return bs.pack(h)
 
 
-def header_of(kv: torch.Tensor, lv: levels.Level, profile: Profile, start: int) -> bs.Header:
-    """The header of chunk kv [L, 2, T, H, D] coded at `lv` with `profile` from position
-    `start`, its substreams still to fill in: the transforms, sink rows and steps they are
+def header_of(kv: torch.Tensor, lv: levels.Level, profile: Profile, start: int,
+              scale: float | None = None) -> bs.Header:
+    """The header of chunk kv [L, 2, T, H, D] coded at `lv` (at `scale`, if given) with `profile`
+    from position `start`, its substreams still to fill in: the transforms, sink rows and steps they are
     coded with, and what the bitstream says of itself (its layers among them). Every encoder
     (encode, codec.parallel's pool) builds it here, so their chunks cannot differ."""
     L, _, T, H, D = kv.shape
@@ -43,7 +45,7 @@ def header_of(kv: torch.Tensor, lv: levels.Level, profile: Profile, start: int) 
     ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
     sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
     return bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
-                     ns, lv.steps(profile), lv.anchor_step, memoryview(sink), [], layer_ids_of(profile))
+                     ns, lv.steps(profile, scale), lv.anchor_step, memoryview(sink), [], layer_ids_of(profile))
 
 
 def transforms_for(lv: levels.Level, profile: Profile) -> int:

@@ -19,13 +19,23 @@ class Level:
     scale: float = 1.0  # multiplies the profile's sensitivity-set steps (PCA levels)
     thirds: tuple[float, float, float] | None = None  # CacheGen: step/sigma per third of layers
     anchor_step: float = 1.0 / 32  # CacheGen: anchor step / sigma, about 8-bit anchors
+    # The most a level may change what the model predicts, on held-out text of every kind: KL of
+    # next-token distributions against the exact cache (docs/benchmarks.md, "Against the floors").
+    # Calibration tunes each level's scale under it, and rate control (codec.rate) aims each chunk at it.
+    kl_floor: float | None = None
 
-    def steps(self, profile: Profile) -> np.ndarray:
-        """[L, 2] float32: the quantization step of each (layer, K/V) stream."""
+    def scale_in(self, profile: Profile) -> float:
+        """The level's one scale for every chunk: a profile tuned on calibration text carries
+        its own for each named level."""
+        return float(profile.meta.get("level_scales", {}).get(self.name, self.scale))
+
+    def steps(self, profile: Profile, scale: float | None = None) -> np.ndarray:
+        """[L, 2] float32: the quantization step of each (layer, K/V) stream; `scale`: this
+        chunk's own multiple of the profile's base steps (codec.rate), else the level's."""
         if self.thirds is None:
-            # A profile tuned on calibration text carries its own scale for each named level.
-            scale = profile.meta.get("level_scales", {}).get(self.name, self.scale)
-            return (profile.base_step * scale).astype(np.float32)
+            return (profile.base_step * (self.scale_in(profile) if scale is None else scale)).astype(np.float32)
+        if scale is not None:
+            raise ValueError(f"level {self.name} has fixed steps per third of layers: it takes no scale")
         L = profile.layers
         per_layer = np.array([self.thirds[min(3 * i // L, 2)] for i in range(L)], np.float32)
         return np.repeat(per_layer[:, None], 2, axis=1)
@@ -36,9 +46,9 @@ OURS = bs.UNROTATE_KEYS | bs.PCA | bs.SINK | bs.RANS
 # A calibrated profile carries its own scale per level (tuned on valid.txt by `kvstreamd profile
 # calibrate`, never on test.txt) and that wins; these scales serve a profile without that table.
 LEVELS: dict[str, Level] = {
-    "high": Level("high", 1, OURS, scale=1.0),
-    "balanced": Level("balanced", 2, OURS, scale=1.8),
-    "fast": Level("fast", 3, OURS, scale=3.6),
+    "high": Level("high", 1, OURS, scale=1.0, kl_floor=0.002),
+    "balanced": Level("balanced", 2, OURS, scale=1.8, kl_floor=0.005),
+    "fast": Level("fast", 3, OURS, scale=3.6, kl_floor=0.02),
     # CacheGen as the paper has it: anchor/delta, per-channel steps, fixed thirds of layers.
     "cachegen-paper": Level("cachegen-paper", 4, bs.DELTA, thirds=(0.5, 1.0, 1.5)),
     "cachegen-paper-high": Level("cachegen-paper-high", 5, bs.DELTA, thirds=(0.3, 0.8, 1.2)),

@@ -40,6 +40,26 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_tune_rate(args: argparse.Namespace) -> int:
+    """Tune an existing profile's per-chunk rate control (calibrate.tune_targets) and write it
+    as a new profile: the statistics, steps and level scales stay as they are."""
+    from . import models
+    from .lab import calibrate
+    from codec import Profile, registry
+
+    lm = models.load(args.model)
+    prof = Profile.load(args.profile) if args.profile else registry.for_model(lm.model_id)
+    prof = Profile(dict(prof.meta), dict(prof.tensors))  # a new profile, its id taken afresh
+    tuning = calibrate.tuning_cases(lm, texts=args.texts or calibrate.TUNING_TEXTS)
+    prof.meta["rate_control"] = calibrate.tune_targets(lm, prof, tuning)
+    out = Path(args.out) if args.out else registry.user_file(prof)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(out)
+    print(f"profile {prof.id.hex()} for {prof.model_id} written to {out}")
+    print("rate control:", prof.meta["rate_control"])
+    return 0
+
+
 def _model_folder(args: argparse.Namespace) -> int:
     from .models.engine_folder import engine_folder
     out = engine_folder(args.model, args.out)
@@ -142,14 +162,12 @@ def _text_tokens(args: argparse.Namespace):
 
 @_guard
 def _put(args: argparse.Namespace) -> int:
-    """Prefill a text file with the real model and store its KV in the daemon."""
-    import time
-    lm, models, tokens = _text_tokens(args)
-    t0 = time.perf_counter()
-    _, kv = models.prefill(lm, tokens, all_logits=False)
-    prefill_s = time.perf_counter() - t0
-    reply = _client(args).put(lm.model_id, tokens, kv.to(getattr(__import__("torch"), args.dtype)))
-    _print({"tokens": len(tokens), "prefill_s": round(prefill_s, 3), **reply})
+    """Prefill a text file with the real model and store its KV in the daemon, with what coding
+    each chunk costs the model (models.put)."""
+    from .models.put import put_context
+    lm, _, tokens = _text_tokens(args)
+    reply = put_context(lm, _client(args), tokens, dtype=getattr(__import__("torch"), args.dtype))
+    _print({"tokens": len(tokens), **reply})
     return 0
 
 
@@ -285,6 +303,14 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--sensitivity-from", metavar="PROFILE",
                      help="reuse the sensitivity measured for an earlier profile of the same model")
     cal.set_defaults(func=_profile_calibrate)
+    tr = psub.add_parser("tune-rate", help="tune a profile's per-chunk rate control (each level's target) "
+                                           "on calibration text, and write it as a new profile")
+    tr.add_argument("--profile", metavar="PATH", help="the profile to start from (default: the model's)")
+    tr.add_argument("--out", metavar="PATH", help="where to write it (default: the user profile folder)")
+    tr.add_argument("--texts", nargs="+", default=None, metavar="KIND",
+                    help="kinds of text whose valid split the targets are tuned on (default: all)")
+    model_option(tr)
+    tr.set_defaults(func=_profile_tune_rate)
     return p
 
 

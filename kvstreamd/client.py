@@ -272,17 +272,20 @@ class Client:
     def lookup(self, model_id: str, tokens: list[int]) -> dict:
         return self._call(*request("lookup"), {"model_id": model_id, "tokens": list(map(int, tokens))})
 
-    def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0, pin: bool = False) -> dict:
+    def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0, pin: bool = False,
+            costs: list[list[float]] | None = None) -> dict:
         """Store (model_id, tokens) with its KV [L, 2, T, H, D]; the KV crosses in shared-memory
         segments made for the call and removed after it, one per request of at most
         PUT_PIECE_BYTES (whole chunks; the reply sums them). `start`: kv is only the KV of
         tokens[start:] (start a multiple of the daemon's chunk_tokens, the chunks before it put
         already), for a caller that makes a long context's KV piece by piece. `pin`: pin the
-        whole context once stored (see pin())."""
+        whole context once stored (see pin()). `costs`: [end, last] per chunk of the whole
+        context, what coding each costs the model (kvstreamd.models.rate_probe): the daemon then
+        codes each chunk at its own steps (codec.rate)."""
         reply = None
         ct = self.status()["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
-            body, seg = _put_segment(model_id, tokens[:e], piece, s)
+            body, seg = _put_segment(model_id, tokens[:e], piece, s, costs)
             body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
                 reply = _summed(reply, self._call(*request("put"), body))
@@ -356,7 +359,8 @@ def _summing(reply: dict | None):
         raise
 
 
-def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0) -> tuple[dict, Segment]:
+def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
+                 costs: list[list[float]] | None = None) -> tuple[dict, Segment]:
     if kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"KV dtype {kv.dtype} is not one of {list(DTYPE_NAMES)}")
     seg = Segment.create(kv.numel() * kv.element_size(), mode=0o640)
@@ -372,6 +376,8 @@ def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int 
             "dtype": DTYPE_NAMES[kv.dtype]}
     if start:
         body["start"] = int(start)
+    if costs is not None:
+        body["chunk_costs"] = [[float(end), float(last)] for end, last in costs]
     return body, seg
 
 
@@ -508,11 +514,11 @@ class AsyncClient:
         return await self._call(*request("lookup"), {"model_id": model_id, "tokens": list(map(int, tokens))})
 
     async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
-                  pin: bool = False) -> dict:
+                  pin: bool = False, costs: list[list[float]] | None = None) -> dict:
         reply = None
         ct = (await self.status())["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
-            body, seg = _put_segment(model_id, tokens[:e], piece, s)
+            body, seg = _put_segment(model_id, tokens[:e], piece, s, costs)
             body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
                 reply = _summed(reply, await self._call(*request("put"), body))

@@ -128,11 +128,12 @@ class Coder:
         level where it lies (CodecPool.staged)."""
         return self.pool.staged(shape, dtype)
 
-    def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int) -> bytes:
-        """Blocking: one chunk at one level (named codec level or baseline scheme)."""
+    def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int, scale: float | None = None) -> bytes:
+        """Blocking: one chunk at one level (named codec level or baseline scheme); `scale`: the
+        chunk's own step scale at a codec level (codec.rate), else the level's."""
         if not catalog.get(level).is_level:
             return baselines.SCHEMES[level].encode(kv)
-        return self.pool.encode(kv, level, profile, start)
+        return self.pool.encode(kv, level, profile, start, scale)
 
     def decode(self, level: str, payload: bytes | memoryview) -> torch.Tensor:
         """Blocking: CodecError for a payload that does not decode."""

@@ -16,22 +16,31 @@ from pathlib import Path
 import torch
 
 import codec
-from codec import baselines, registry
+from codec import baselines, rate, registry
+from codec.levels import LEVELS
 
 from .. import models
+from ..models import rate_probe
 from ..lab import corpus, quality
 from . import profile_and_pool, write_json
 
+# cachegen:LEVEL codes each chunk at the scale its own costs give it (codec.rate, as the daemon
+# does for a put that brings them); cachegen:LEVEL/fixed at the level's one scale, as before.
 SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:high", "cachegen:balanced",
-           "cachegen:fast"]
+           "cachegen:fast", "cachegen:high/fixed", "cachegen:balanced/fixed", "cachegen:fast/fixed"]
+FIXED = "/fixed"
 
 
 class _Ours:
-    def __init__(self, level: str, profile):
-        self.level, self.profile = level, profile
+    def __init__(self, level: str, profile, per_chunk: bool):
+        self.level, self.profile, self.per_chunk = level, profile, per_chunk
+        self.scales: list[float | None] = []  # the case's chunks' scales (rate control), set per case
 
-    def encode(self, kv, start):
-        return codec.encode(kv, self.level, self.profile, start=start)
+    def for_case(self, costs: list) -> None:
+        self.scales = rate.scales(self.level, self.profile, costs) if self.per_chunk else [None] * len(costs)
+
+    def encode(self, kv, start, index):
+        return codec.encode(kv, self.level, self.profile, start=start, scale=self.scales[index])
 
     def decode(self, data):
         return codec.decode(data, self.profile)
@@ -41,7 +50,7 @@ class _Baseline:
     def __init__(self, scheme):
         self.scheme = scheme
 
-    def encode(self, kv, start):
+    def encode(self, kv, start, index):
         return self.scheme.encode(kv)
 
     def decode(self, data):
@@ -51,11 +60,13 @@ class _Baseline:
 def _coder(name: str, profile):
     if name in baselines.SCHEMES:
         return _Baseline(baselines.SCHEMES[name])
-    return _Ours(name.split(":", 1)[-1], profile)
+    level = name.split(":", 1)[-1]
+    return _Ours(level.removesuffix(FIXED), profile, not level.endswith(FIXED))
 
 
-def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, log) -> list:
-    """Up to `contexts` held-out contexts of the kind (fewer when its test.txt holds fewer)."""
+def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_tokens: int, profile, log) -> list:
+    """Up to `contexts` held-out contexts of the kind (fewer when its test.txt holds fewer):
+    (KV, continuation, exact logits, each chunk's cost (rate_probe), seconds the probes took)."""
     length = tokens + continuation + 1
     n = min(contexts, corpus.fit(lm.tokenizer, "test", length, kind))
     if n < 1:
@@ -68,29 +79,35 @@ def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, log) ->
         _, kv = models.prefill(lm, w[:tokens], all_logits=False)
         cont = w[tokens:]
         ref = models.continuation_logits(lm, kv, cont[:-1])
-        cases.append((kv.to(torch.float16), cont, ref))
+        kv = kv.to(torch.float16)
+        t0 = time.perf_counter()
+        costs = rate_probe.chunk_costs(lm, w[:tokens], kv, chunk_tokens, profile)
+        cases.append((kv, cont, ref, costs, time.perf_counter() - t0))
     return cases
 
 
 def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: int, log) -> tuple[float, list[dict]]:
     """(exact-cache perplexity, one row per scheme) over one kind's cases."""
-    exact_ppl = statistics.mean(quality.perplexity(ref, torch.tensor(cont[1:])) for _, cont, ref in cases)
+    exact_ppl = statistics.mean(quality.perplexity(ref, torch.tensor(cont[1:])) for _, cont, ref, _, _ in cases)
     results = []
     for name in schemes:
         coder = _coder(name, profile)
         nbytes = elements = 0
         enc_rates, dec_rates, pool_enc, pool_dec = [], [], [], []
-        ppls, kls, top1 = [], [], []
-        for kv, cont, ref in cases:
+        ppls, kls, top1, chosen = [], [], [], []
+        for kv, cont, ref, costs, _ in cases:
             parts, encoded = [], []
-            for start in range(0, kv.shape[2], chunk_tokens):
+            if isinstance(coder, _Ours):
+                coder.for_case(costs)
+                chosen += [s / LEVELS[coder.level].scale_in(profile) for s in coder.scales if s is not None]
+            for index, start in enumerate(range(0, kv.shape[2], chunk_tokens)):
                 chunk = kv[:, :, start:start + chunk_tokens].contiguous()
                 mb = chunk.numel() * 2 / 1e6
                 threads = torch.get_num_threads()
                 torch.set_num_threads(1)  # per-core figures
                 try:
                     t0 = time.perf_counter()
-                    data = coder.encode(chunk, start)
+                    data = coder.encode(chunk, start, index)
                     t1 = time.perf_counter()
                     dec = coder.decode(data)
                     t2 = time.perf_counter()
@@ -108,7 +125,8 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: i
                 # All cores: the whole context through the pool, as a fetch's stages see it.
                 mb = sum(c.numel() for c, _, _ in encoded) * 2 / 1e6
                 t0 = time.perf_counter()
-                again = [pool.encode(c, coder.level, profile, start=s) for c, s, _ in encoded]
+                again = [pool.encode(c, coder.level, profile, start=s, scale=sc)
+                         for (c, s, _), sc in zip(encoded, coder.scales)]
                 t1 = time.perf_counter()
                 decoded = pool.decode_many(again, profile)
                 t2 = time.perf_counter()
@@ -129,7 +147,10 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: i
              "encode_MBps": round(statistics.median(enc_rates), 1),
              "decode_MBps": round(statistics.median(dec_rates), 1),
              "encode_MBps_all_cores": round(statistics.median(pool_enc), 1) if pool_enc else None,
-             "decode_MBps_all_cores": round(statistics.median(pool_dec), 1) if pool_dec else None}
+             "decode_MBps_all_cores": round(statistics.median(pool_dec), 1) if pool_dec else None,
+             # each chunk's scale over its level's one scale (rate control), over every case
+             "chunk_scales": {"min": round(min(chosen), 3), "median": round(statistics.median(chosen), 3),
+                              "max": round(max(chosen), 3)} if chosen else None}
         results.append(r)
         log(f"  {name:18s} {bits:6.3f} bits/elem  x{16 / bits:5.2f}  dppl {r['ppl_delta_pct']:+.3f}%  "
             f"KL {r['kl']:.5f}  top1 {r['top1_agreement']:.4f}  dec {r['decode_MBps']} MB/s")
@@ -159,11 +180,12 @@ def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_to
     log(f"coding with the {used['source']} profile {used['id']} ({used['path']})")
     with pool:
         for kind in texts:
-            cases = _cases(lm, kind, tokens, contexts, continuation, log)
+            cases = _cases(lm, kind, tokens, contexts, continuation, chunk_tokens, prof, log)
             log(f"{kind}: {corpus.get(kind).title}")
             exact_ppl, results = _measure(lm, prof, pool, schemes, cases, chunk_tokens, log)
             per_text[kind] = {"title": corpus.get(kind).title, "split": "test", "contexts": len(cases),
-                              "exact_ppl": round(exact_ppl, 4), "results": results}
+                              "exact_ppl": round(exact_ppl, 4), "results": results,
+                              "probe_s": round(statistics.median(c[4] for c in cases), 3)}
     first = per_text[texts[0]]
     report = {"model": lm.model_id, "tokens": tokens, "contexts": contexts, "continuation": continuation,
               "chunk_tokens": chunk_tokens, "workers": workers, "text": texts[0],

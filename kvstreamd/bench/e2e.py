@@ -31,6 +31,7 @@ from .. import models
 from ..lab import corpus, netns, quality
 from ..lab.daemons import DaemonProcess, wait_for
 from ..models.prefix import generate
+from ..models.put import put_context
 from . import profile_keys, write_json
 
 METHODS = ["recompute", "fp16", "int8", "kvstreamd"]
@@ -167,7 +168,7 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
     prompt = doc + question
     kv_exact, prefill_tps = _prefill_with_progress(lm, doc, progress)
     ref_ppl = quality.perplexity(models.continuation_logits(lm, kv_exact, cont[:-1]), torch.tensor(cont[1:]))
-    put = h.a.client().put(lm.model_id, doc, kv_exact.half())
+    put = put_context(lm, h.a.client(), doc, kv_exact)
     wait_for(lambda: h.b.client().lookup(lm.model_id, prompt)["found_tokens"] == len(doc), timeout=30,
              what="host b to see host a's chunks")
     del kv_exact

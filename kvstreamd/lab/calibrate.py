@@ -12,15 +12,15 @@ import numpy as np
 import torch
 
 import codec
-from codec import profile as profiles
+from codec import profile as profiles, rate
 from codec.levels import LADDER, LEVELS
 
 from .. import models
+from ..models import rate_probe
 from . import corpus, quality
 
-# The floors each level must hold on held-out text of every kind: KL of next-token
-# distributions against the exact cache (docs/benchmarks.md, "Against the floors").
-LEVEL_KL_FLOORS = {"high": 0.002, "balanced": 0.005, "fast": 0.02}
+# The floors each level must hold on held-out text of every kind (codec.levels, Level.kl_floor).
+LEVEL_KL_FLOORS = {name: LEVELS[name].kl_floor for name in LADDER}
 # What each level aims for on the tuning text, on its worst kind (see tune_levels): the floor
 # with a margin, for held-out text of a kind that is harder than the tuning text of that kind.
 KL_MARGIN = 0.8  # held-out KL came out up to 1.14x the tuning target (Gemma fast, WikiText); 0.75 on SmolLM2, docs/benchmarks.md
@@ -36,16 +36,21 @@ TUNING_CONTEXTS, TUNING_TOKENS, TUNING_CONTINUATION = 3, 3072, 256
 # Gaussian noise on WikiText alone ranks the streams for WikiText only: on the licence text an
 # error in the first layers' values costs 5-20x more KL (docs/benchmarks.md).
 PROBE_LEVEL = "balanced"
+# The chunk size contexts are coded in here: the daemon's default ([codec] chunk_tokens).
+CHUNK_TOKENS = 1024
 # A stream's sensitivity is at least this share of the mean: a KL of ~1e-5 is mostly noise, and
 # a stream priced at nothing would get a step that wipes it out.
 SENSITIVITY_FLOOR = 0.02
 
 
-def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = 1024) -> tuple[torch.Tensor, int]:
-    """Encode and decode kv chunk by chunk as the daemon stores it; returns (decoded, bytes)."""
+def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = CHUNK_TOKENS,
+                      scales: list[float] | None = None) -> tuple[torch.Tensor, int]:
+    """Encode and decode kv chunk by chunk as the daemon stores it, each chunk at its own scale
+    if `scales` (codec.rate) says; returns (decoded, bytes)."""
     parts, nbytes = [], 0
-    for start in range(0, kv.shape[2], chunk_tokens):
-        data = codec.encode(kv[:, :, start:start + chunk_tokens], level, profile, start=start)
+    for i, start in enumerate(range(0, kv.shape[2], chunk_tokens)):
+        data = codec.encode(kv[:, :, start:start + chunk_tokens], level, profile, start=start,
+                            scale=None if scales is None else scales[i])
         nbytes += len(data)
         parts.append(codec.decode(data, profile))
     return torch.cat(parts, dim=2), nbytes
@@ -96,7 +101,7 @@ def codec_sensitivity(lm, profile, cases: dict[str, list], log: Callable[[str], 
     per_kind = {}
     for kind, kind_cases in cases.items():
         kl = np.zeros((profile.layers, 2))
-        for kv, cont, ref in kind_cases:
+        for kv, cont, ref, _ in kind_cases:
             dec, _ = chunked_roundtrip(kv, lv, profile)
             mixed = kv.clone()  # one copy per case: each stream is swapped in, measured, swapped back
             for layer in range(profile.layers):
@@ -175,7 +180,8 @@ def query_module(attn):
 def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = TUNING_CONTEXTS,
                  tokens: int = TUNING_TOKENS, continuation: int = TUNING_CONTINUATION,
                  log: Callable[[str], None] = print) -> dict[str, list]:
-    """kind -> [(kv, continuation tokens, exact continuation logits)], from each kind's split."""
+    """kind -> [(kv, continuation tokens, exact continuation logits, context tokens)], from each
+    kind's split."""
     out = {}
     for kind in texts:
         out[kind] = []
@@ -183,7 +189,8 @@ def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = T
             log(f"prefill {kind} tuning context {i + 1}/{contexts} ({tokens} tokens)")
             _, kv = models.prefill(lm, w[:tokens], all_logits=False)
             cont = w[tokens:]
-            out[kind].append((kv.to(torch.float16), cont, models.continuation_logits(lm, kv, cont)))  # stored as fp16
+            out[kind].append((kv.to(torch.float16), cont, models.continuation_logits(lm, kv, cont),  # stored as fp16
+                              w[:tokens]))
     return out
 
 
@@ -204,7 +211,7 @@ def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
             kl_of, bits = {}, []
             for kind, kind_cases in by_kind.items():
                 kls = []
-                for kv, cont, ref in kind_cases:
+                for kv, cont, ref, _ in kind_cases:
                     dec, nbytes = chunked_roundtrip(kv, lv, profile)
                     kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
                     bits.append(nbytes * 8 / kv.numel())
@@ -221,6 +228,42 @@ def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
         met = [sc for sc, kl in tried if math.log(kl / target) < 0.1]
         scales[name] = round(max(met) if met else min(sc for sc, _ in tried), 4)
     return scales
+
+
+def tune_targets(lm, profile, cases: dict[str, list], log: Callable[[str], None] = print) -> dict:
+    """The profile's rate control (codec.rate): for each level, the target its chunks' probes
+    may reach such that coding every tuning context chunk by chunk (each chunk at the scale its
+    own probes give it) meets the level's LEVEL_KL_TARGETS on the worst kind of text. The
+    continuation's KL grows about in proportion to the target, so a few secant steps converge;
+    every point tried is kept, and the answer is the highest target that met the goal."""
+    costs = {}
+    for kind, kind_cases in cases.items():
+        log(f"probing each chunk of the {kind} tuning contexts")
+        costs[kind] = [rate_probe.chunk_costs(lm, tokens, kv, CHUNK_TOKENS, profile) for kv, _, _, tokens in kind_cases]
+    targets = {}
+    for name in LADDER:
+        goal = LEVEL_KL_TARGETS[name]
+        target = goal / rate.DEFAULT_MARGIN
+        tried = []
+        for _ in range(4):
+            kl_of, bits = {}, []
+            for kind, kind_cases in cases.items():
+                kls = []
+                for (kv, cont, ref, _), cc in zip(kind_cases, costs[kind]):
+                    dec, nbytes = chunked_roundtrip(kv, name, profile, scales=rate.scales(name, profile, cc, target))
+                    kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
+                    bits.append(nbytes * 8 / kv.numel())
+                kl_of[kind] = float(np.mean(kls))
+            got = max(kl_of.values())
+            per_kind = "  ".join(f"{k} {v:.5f}" for k, v in kl_of.items())
+            log(f"  {name:9s} target {target:.5f}: KL {got:.5f} (worst; {per_kind})  {np.mean(bits):.3f} bits/element")
+            tried.append((target, got))
+            if abs(math.log(got / goal)) < 0.1:
+                break
+            target *= (goal / got) ** 0.9
+        met = [t for t, kl in tried if math.log(kl / goal) < 0.1]
+        targets[name] = round(max(met) if met else min(t for t, _ in tried), 6)
+    return {"targets": targets, "bounds": list(rate.DEFAULT_BOUNDS)}
 
 
 def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048, sensitivity_contexts: int = 2,
@@ -272,6 +315,8 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     prof._id = None  # meta changed
     log("measuring each level's Δppl (the costs the sender's level choice weighs for this model)")
     prof.meta["level_dppl"] = level_costs(lm, prof, [c for kind in tuning.values() for c in kind], log)
+    log("tuning each level's target for per-chunk rate control")
+    prof.meta["rate_control"] = tune_targets(lm, prof, tuning, log)
     prof._id = None
     return prof
 
@@ -282,7 +327,7 @@ def level_costs(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
     out = {}
     for name in LADDER:
         ratios = []
-        for kv, cont, ref in cases:
+        for kv, cont, ref, _ in cases:
             dec, _ = chunked_roundtrip(kv, name, profile)
             target = torch.tensor(cont[1:])
             exact = quality.perplexity(ref[:-1], target)

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..models.rate_probe import kl  # noqa: F401  (one definition: what rate control aims at is what the benches report)
+
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     """Mean negative log-likelihood of targets [N] under logits [N, vocab]."""
@@ -14,13 +16,6 @@ def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
 
 def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return math.exp(nll(logits, targets))
-
-
-def kl(reference: torch.Tensor, test: torch.Tensor) -> float:
-    """Mean over positions of KL(reference || test) of the next-token distributions."""
-    p = torch.log_softmax(reference.float(), -1)
-    q = torch.log_softmax(test.float(), -1)
-    return float((p.exp() * (p - q)).sum(-1).mean())
 
 
 def top1_agreement(reference: torch.Tensor, test: torch.Tensor) -> float:

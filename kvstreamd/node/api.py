@@ -17,7 +17,8 @@
     GET    /v1/doctor                what `kvstreamd doctor` needs besides: errors in the last hour,
                                      damaged chunks, stored models' profiles, decode rate
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer
-    POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype, start?}; KV is
+    POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype, start?,
+                                     chunk_costs?}; KV is
                                      read from the shared-memory segment `buffer` the client made
                                      (with start, a multiple of chunk_tokens: the KV of
                                      tokens[start:] only, the chunks before it held here already,
@@ -26,7 +27,10 @@
                                      {keys, stored_chunks, already_held, placement, seconds}:
                                      placement per chunk "disk", "memory" (lost on a restart) or
                                      null. 507 disk_full/disk_error/store_full when a chunk could
-                                     not be written or was refused: error.put is that reply
+                                     not be written or was refused: error.put is that reply.
+                                     chunk_costs ([[end, last]] per chunk of the whole context,
+                                     codec.rate): each chunk is coded at the scale its costs give
+                                     it at each level; without them, at the level's one scale
     POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?, device?,
                                      recompute_tokens_per_s?, text_last?} -> NDJSON events:
                                      start (the buffer to attach), chunk (one per chunk as it
@@ -53,6 +57,8 @@ from typing import Any, AsyncIterator, Protocol
 from aiohttp import web
 
 from codec import catalog
+from codec.errors import CodecError
+from codec.rate import ChunkCost
 
 from kvstreamd import events
 from kvstreamd.ops.diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
@@ -88,7 +94,7 @@ class Node(Protocol):
     def peer_info(self) -> list[dict]: ...
     async def lookup(self, model_id: str, tokens: list[int]) -> dict: ...
     async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False) -> dict: ...
+                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None) -> dict: ...
     async def pin(self, model_id: str, tokens: list[int]) -> dict: ...
     async def unpin(self, key: bytes) -> None: ...
     async def pins(self) -> list[dict]: ...
@@ -220,6 +226,21 @@ def _dtype(body: dict) -> str:
     return dtype
 
 
+def _chunk_costs(body: dict, tokens: list[int]) -> list[ChunkCost] | None:
+    """Optional "chunk_costs": [[end, last], ...], what coding each chunk of the whole context
+    costs the model (codec.rate), from the first chunk on; a context put piece by piece sends
+    them all with every piece, so the list may run past `tokens`."""
+    raw = _field(body, "chunk_costs", list, None)
+    if raw is None:
+        return None
+    if not raw or len(raw) > MAX_TOKENS:
+        raise _bad(f"field 'chunk_costs' must list one [end, last] per chunk, got {len(raw)}")
+    try:
+        return [ChunkCost.of(c) for c in raw]
+    except CodecError as e:
+        raise _bad(f"field 'chunk_costs': {e}") from None
+
+
 def _levels(body: dict) -> list[str] | None:
     """Optional: the levels this fetch accepts, best first (default: the configured ones). One
     level alone means exactly that level for every chunk (what a baseline measurement wants)."""
@@ -311,7 +332,8 @@ async def put(request: web.Request) -> web.Response:
     name, shape = _field(body, "buffer", str), _shape(body)
     start = _number(body, "start", int, 0, MAX_TOKENS) or 0
     pin = _field(body, "pin", bool, False)
-    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start, pin))
+    costs = _chunk_costs(body, tokens)
+    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start, pin, costs))
 
 
 async def pins(request: web.Request) -> web.Response:

@@ -14,6 +14,7 @@ import torch
 
 from codec.errors import CodecError
 from codec.profile import Profile
+from codec.rate import ChunkCost
 
 from kvstreamd import __version__, events
 from kvstreamd.cluster.directory import Directory
@@ -84,8 +85,8 @@ class Node:
     # -- the work, in its parts ----------------------------------------------------------------
 
     async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False) -> dict:
-        return await self.puts.put(model_id, tokens, buffer, shape, dtype, start, pin)
+                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None) -> dict:
+        return await self.puts.put(model_id, tokens, buffer, shape, dtype, start, pin, costs)
 
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]:
         return self.fetches.fetch(req)

@@ -8,8 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from codec import catalog, rate
 from codec.parallel import WorkerLost
 from codec.profile import Profile
+from codec.rate import ChunkCost
 
 from kvstreamd.coder import Coder
 from kvstreamd.config import Config
@@ -59,12 +61,14 @@ class Puts:
         self.levels = tuple(cfg.codec.levels)  # puts from now on
 
     async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False) -> dict:
+                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None) -> dict:
         """Store a context whose KV the client left in the shared-memory segment `buffer`. With
         `start` (a multiple of chunk_tokens, below len(tokens)) the segment holds only the KV of
         tokens[start:], and the chunks before it must be held here already: a long context is
         put piece by piece, so that no one request needs all of its KV in memory at once. `pin`:
-        pin the whole context once stored (see pin())."""
+        pin the whole context once stored (see pin()). `costs`: what coding each chunk of the
+        whole context costs the model (codec.rate), from its first chunk on; each chunk is then
+        coded at its own scale at each level, else at the level's one scale."""
         prof = self.profile_for(model_id)
         ct = self.chunk_tokens
         if pin:
@@ -82,13 +86,14 @@ class Puts:
             if missing is not None:
                 raise RequestError(409, "missing_prefix", f"chunk {missing} of the {len(prefix)} before start "
                                                           f"{start} is not held here: put them first")
+        scales = self._scales(prof, costs, len(chunk_bounds(len(tokens), ct)))
         try:  # read by copy, never mapped: the client may truncate it under us (shm trap 4)
             seg = SegmentReader.open(buffer, tuple(shape), dtype)
         except ShmError as e:
             raise RequestError(400, "bad_buffer", str(e)) from None
         t0 = time.perf_counter()
         try:
-            out = await self._put(model_id, tokens, seg, prof, start)
+            out = await self._put(model_id, tokens, seg, prof, start, scales)
         except WorkerLost as e:
             raise RequestError(503, "codec_unavailable", f"encoding failed: {e}") from None
         except ShmError as e:  # the client shrank the segment mid-put; the chunks read before it are kept
@@ -115,8 +120,19 @@ class Puts:
             reply["pinned"] = await self.pins.pin_keys(keys, {"put": reply})
         return reply
 
+    def _scales(self, prof: Profile, costs: list[ChunkCost] | None, chunks: int) -> dict[str, list[float | None]]:
+        """Each stored level's scale for each chunk of the request (codec.rate), None where the
+        level's own; RequestError for costs that do not cover the request's chunks."""
+        if costs is None:
+            return {level: [None] * chunks for level in self.levels}
+        if len(costs) < chunks:
+            raise RequestError(400, "bad_chunk_costs", f"chunk_costs lists {len(costs)} chunks, the tokens "
+                                                       f"make {chunks} of {self.chunk_tokens}")
+        return {level: rate.scales(level, prof, costs)[:chunks] if catalog.get(level).is_level else [None] * chunks
+                for level in self.levels}
+
     async def _put(self, model_id: str, tokens: list[int], kv: SegmentReader, prof: Profile,
-                   start: int = 0) -> _PutOutcome:
+                   start: int = 0, scales: dict[str, list[float | None]] | None = None) -> _PutOutcome:
         """Chunk, encode every level (in the codec pool), store, advertise. Chunks already held
         are skipped before any encoding. A chunk the store refuses ends the put (the chunks after
         it could not be found without it). kv holds tokens[start:] (start: a chunk boundary)."""
@@ -142,7 +158,8 @@ class Puts:
             with self.coder.staged(shape, kv.dtype) as chunk:  # read once, where the codec workers code it
                 await asyncio.to_thread(kv.read, s - start, e - start, 2, chunk)  # kv[:, :, s:e], copied
                 for level in self.levels:
-                    payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s)
+                    scale = scales[level][i] if scales else None
+                    payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s, scale)
                     self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
                 del chunk
             rec = ChunkRecord.of_chunk(keys, i, (s, e), model_id, tokens, dtype, shape, payloads, time.time())

@@ -52,7 +52,7 @@ def documents(paths: Iterable[str | Path]) -> tuple[list[Path], list[Outcome]]:
 
 def preload_one(client: Client, lm, path: Path) -> Outcome:
     """Store one document pinned (prefilling it only when the daemon does not hold it whole)."""
-    from kvstreamd import models
+    from kvstreamd.models.put import put_context
 
     t0 = time.perf_counter()
     try:
@@ -67,10 +67,7 @@ def preload_one(client: Client, lm, path: Path) -> Outcome:
             reply = client.pin(lm.model_id, tokens)
             out.chunks = reply["chunks"]
         else:
-            import torch
-
-            _, kv = models.prefill(lm, tokens, all_logits=False)
-            reply = client.put(lm.model_id, tokens, kv.to(torch.float16), pin=True)
+            reply = put_context(lm, client, tokens, pin=True)
             out.outcome, out.chunks, out.stored_chunks = "stored", len(reply["keys"]), reply["stored_chunks"]
         out.pinned = reply["pinned"]
     except ClientError as e:

@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 import torch
 
@@ -485,9 +486,9 @@ async def test_a_put_larger_than_a_piece_goes_as_several_requests_of_whole_chunk
     sent = []
     real = client_mod._put_segment
 
-    def counted(model_id, toks, piece, start=0):
+    def counted(model_id, toks, piece, start=0, costs=None):
         sent.append((start, len(toks), piece.shape[2]))
-        return real(model_id, toks, piece, start)
+        return real(model_id, toks, piece, start, costs)
 
     monkeypatch.setattr(client_mod, "_put_segment", counted)
     async with client(a) as ca, client(b) as cb:
@@ -502,3 +503,54 @@ async def test_a_put_larger_than_a_piece_goes_as_several_requests_of_whole_chunk
         assert torch.equal(await _fetched(ca, tokens), await _fetched(cb, tokens))
         again = await ca.put(MODEL, tokens, kv)
         assert (again["stored_chunks"], again["already_held"]) == (0, 5)
+
+
+# -- per-chunk rate control (chunk_costs, codec.rate) ---------------------------------------------------
+
+def _steps(d, key_hex: str, level: str):
+    """The [L, 2] steps chunk `key_hex` is stored with at `level` (its header's)."""
+    from codec import bitstream
+    return bitstream.unpack(d.store.get(bytes.fromhex(key_hex)).levels[level]).steps
+
+
+@pytest.fixture
+def tuned_profile(small_profile):
+    """The small profile with rate control's targets (codec.rate): per-chunk steps are on."""
+    rc = {"targets": {"high": 2e-3, "balanced": 5e-3, "fast": 2e-2}, "bounds": [0.5, 3.0]}
+    return codec.Profile(dict(small_profile.meta, rate_control=rc), dict(small_profile.tensors))
+
+
+async def test_a_put_with_chunk_costs_codes_each_chunk_at_the_steps_its_costs_give_it(inprocess, tuned_profile):
+    from codec import rate
+    (a,) = await inprocess(["a"], profile=tuned_profile)
+    (b,) = await inprocess(["b"])  # the small profile as it is: not tuned for rate control
+    tokens, kv = context(700)
+    other, other_kv = context(700, seed=1, first=5000)
+    costs = [[1e-6, 1e-4], [1e-6, 2e-3], [1e-3, 1e-3]]  # cheap; dear only to a prompt ending there; dear
+    async with client(a) as ca, client(b) as cb:
+        reply = await ca.put(MODEL, tokens, kv, costs=costs)
+        plain = await ca.put(MODEL, other, other_kv)
+        untuned = await cb.put(MODEL, tokens, kv, costs=costs)
+        for level in ("high", "fast"):
+            want = rate.scales(level, tuned_profile, [rate.ChunkCost(*c) for c in costs])
+            assert want[0] > max(want[1:]) and want[1] < want[2] * 1.5
+            for key, scale in zip(reply["keys"], want):
+                assert np.allclose(_steps(a, key, level), tuned_profile.base_step * scale)
+            fixed = codec.levels.get(level).steps(tuned_profile)
+            assert all((_steps(a, key, level) == fixed).all() for key in plain["keys"])  # no costs: as before
+            assert all((_steps(b, key, level) == fixed).all() for key in untuned["keys"])  # no targets: as before
+        got = await _fetched(ca, tokens)  # the chunks decode as any others: the steps are in their headers
+        assert got.shape == kv.shape and torch.isfinite(got).all()
+
+
+async def test_chunk_costs_that_are_malformed_or_too_few_are_refused_and_nothing_is_stored(inprocess):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    async with client(a) as ca:
+        with pytest.raises(ClientError) as e:
+            await ca.put(MODEL, tokens, kv, costs=[[1e-4, 1e-4]] * 2)  # three chunks
+        assert (e.value.status, e.value.code) == (400, "bad_chunk_costs")
+        assert (await ca.status())["store"]["chunks"] == 0
+    body = {"model_id": MODEL, "tokens": tokens, "buffer": "x", "shape": shape(600), "dtype": "float16"}
+    for bad in ([], [[1e-4]], [[1e-4, -1.0]] * 3, [["a", 1e-4]] * 3, [[1e-4, True]] * 3, [1e-4] * 3, "many"):
+        assert await error_of(a, "POST", "/v1/contexts", {**body, "chunk_costs": bad}) == (400, "bad_request"), bad

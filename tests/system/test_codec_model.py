@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import codec
-from codec import registry
+from codec import rate, registry
 from codec.parallel import CodecPool
 from kvstreamd import models
+from kvstreamd.models import rate_probe
 from kvstreamd.lab import calibrate, corpus, quality
 
 CHUNK = 256
@@ -87,6 +88,20 @@ def test_no_confident_prediction_flips(lm, case, shipped, level):
     assert torch.equal(logits[sure].argmax(-1), ref[sure].argmax(-1))
 
 
+def test_rate_probes_price_each_chunk_and_the_chunk_nearest_the_end_costs_most_from_it(lm, case, shipped):
+    kv, _, _ = case
+    tokens = corpus.windows(lm.tokenizer, "test", 1, 700)[0][:600]
+    costs = rate_probe.chunk_costs(lm, tokens, kv, CHUNK, shipped)
+    assert len(costs) == 3 and all(c.end > 0 and c.last > 0 for c in costs)
+    assert costs[-1].end == costs[-1].last  # one probe: the context's end is right after its last chunk
+    assert costs[-1].end > 3 * costs[0].end
+    # Coded at the scales the costs give them, the chunks meet the level's target on the probe.
+    level = "balanced"
+    scales = rate.scales(level, shipped, costs)
+    target = rate.settings(shipped).target(codec.levels.get(level))
+    assert sum(c.end * s * s for c, s in zip(costs, scales)) <= target * 1.001
+
+
 def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
     kv = case[0][:, :, :CHUNK].contiguous()
     with CodecPool(2) as pool:
@@ -109,6 +124,8 @@ def test_calibration_makes_a_working_profile(lm, tmp_path):
         in loaded.meta["source"]
     scales = loaded.meta["level_scales"]
     assert scales["high"] < scales["balanced"] < scales["fast"]
+    targets = loaded.meta["rate_control"]["targets"]  # per-chunk rate control's, tuned as the scales are
+    assert set(targets) == set(codec.LADDER) and targets["high"] < targets["balanced"] < targets["fast"]
     w = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
     _, kv = models.prefill(lm, w, all_logits=False)
     out = codec.decode(codec.encode(kv, "balanced", loaded), loaded)
@@ -183,6 +200,9 @@ def test_bench_codec_command_writes_its_json(tmp_path, shipped):
             assert set(r) >= {"scheme", "bits_per_element", "ratio_vs_fp16", "ratio_vs_int8", "ppl", "ppl_delta_pct",
                               "top1_agreement", "kl", "encode_MBps", "decode_MBps"}
         assert by["fp16"]["kl"] < 1e-4 and by["cachegen:fast"]["ratio_vs_fp16"] > 5
+        spread = by["cachegen:fast"]["chunk_scales"]  # each chunk's scale over the level's one
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"] and by["int8"]["chunk_scales"] is None
+        assert t["probe_s"] > 0
     assert report["texts"]["wikitext"]["exact_ppl"] != report["texts"]["legal"]["exact_ppl"]
     assert (tmp_path / "plot.png").stat().st_size > 1000
     assert "cachegen:fast" in proc.stdout and "legal test contexts" in proc.stdout

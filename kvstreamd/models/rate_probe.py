@@ -1,0 +1,66 @@
+"""What coding each chunk of a context costs the model (codec.rate.ChunkCost), measured where
+the model is: in the process that has just prefilled the context and is about to put it.
+
+Each chunk is coded once at codec.rate.PROBE_SCALE and decoded, and put in place of its exact
+KV, alone, under two short probes of the context's own tokens (no text beyond the context is
+needed): the context's last PROBE_TOKENS (`end`) and the PROBE_TOKENS right after the chunk
+(`last`; for the last chunk the two are one). The KL of each against the same probe on the
+exact KV, over PROBE_SCALE**2, is the chunk's cost. A context of n chunks costs 2n forward
+passes of PROBE_TOKENS tokens and n encodes and decodes at one level.
+"""
+from __future__ import annotations
+
+import torch
+
+import codec
+from codec.profile import Profile
+from codec.rate import PROBE_SCALE, ChunkCost
+
+from .adapter import LoadedModel, continuation_logits
+
+# Tokens per probe: enough that a probe's KL is a steady figure (its noise, chunk to chunk,
+# moves a scale by a grid step or less), few enough that probing costs a fraction of the put.
+PROBE_TOKENS = 64
+PROBE_LEVEL = "balanced"  # the transforms the probes code with (every level of the ladder has them)
+
+
+def kl(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || test) of the next-token distributions."""
+    p = torch.log_softmax(reference.float(), -1)
+    q = torch.log_softmax(test.float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@torch.no_grad()
+def chunk_costs(lm: LoadedModel, tokens: list[int], kv: torch.Tensor, chunk_tokens: int,
+                profile: Profile) -> list[ChunkCost]:
+    """One ChunkCost per chunk of `chunk_tokens` of the context `tokens`, whose KV
+    `[L, 2, T, H, D]` (as it will be put) is `kv`."""
+    n_tok = len(tokens)
+    if kv.shape[2] != n_tok:
+        raise ValueError(f"KV holds {kv.shape[2]} tokens, the context {n_tok}")
+    bounds = [(s, min(s + chunk_tokens, n_tok)) for s in range(0, n_tok, chunk_tokens)]
+    probe = max(1, min(PROBE_TOKENS, (bounds[-1][1] - bounds[-1][0]) // 2))
+    coded = [codec.decode(codec.encode(kv[:, :, s:e], PROBE_LEVEL, profile, start=s, scale=PROBE_SCALE), profile)
+             .to(kv.dtype) for s, e in bounds]
+
+    def cost(cut: int, c: int) -> float:
+        """KL of tokens[cut:cut+probe] on kv[:cut] with chunk c's part of it coded."""
+        ids = tokens[cut:cut + probe]
+        exact = kv[:, :, :cut]
+        ref = continuation_logits(lm, exact, ids)
+        mixed = exact.clone()
+        s, e = bounds[c]
+        mixed[:, :, s:min(e, cut)] = coded[c][:, :, :min(e, cut) - s]
+        return kl(ref, continuation_logits(lm, mixed, ids)) / PROBE_SCALE ** 2
+
+    end_cut = n_tok - probe
+    ref_end = continuation_logits(lm, kv[:, :, :end_cut], tokens[end_cut:])
+    out = []
+    for c, (s, e) in enumerate(bounds):
+        mixed = kv[:, :, :end_cut].clone()
+        mixed[:, :, s:min(e, end_cut)] = coded[c][:, :, :min(e, end_cut) - s]
+        end = kl(ref_end, continuation_logits(lm, mixed, tokens[end_cut:])) / PROBE_SCALE ** 2
+        last = end if c == len(bounds) - 1 else cost(e, c)
+        out.append(ChunkCost(end, last))
+    return out

@@ -1,0 +1,102 @@
+"""Per-chunk rate control (codec.rate): the allocation of each chunk's scale from its costs, and
+a chunk coded at its own scale. The probes that measure the costs with the real model are
+tests/system/test_codec_model.py's."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import codec
+from codec import bitstream, levels, rate
+from codec.errors import CodecError
+from codec.rate import ChunkCost
+from tests.fixtures import synthetic_kv
+
+
+@pytest.fixture
+def tuned(small_profile):
+    """The small profile with rate control's targets (what calibrate.tune_targets writes)."""
+    rc = {"targets": {"high": 2e-3, "balanced": 5e-3, "fast": 2e-2}, "bounds": [0.5, 3.0]}
+    return codec.Profile(dict(small_profile.meta, rate_control=rc), dict(small_profile.tensors))
+
+
+def spent(costs, scales):
+    return sum(c.end * s * s for c, s in zip(costs, scales))
+
+
+@pytest.mark.parametrize("level", levels.LADDER)
+def test_a_context_spends_at_most_its_target_and_no_chunk_passes_it_alone(tuned, level):
+    small_profile = tuned
+    rng = np.random.default_rng(0)
+    lv = levels.get(level)
+    target = rate.settings(small_profile).target(lv)
+    for _ in range(50):
+        n = int(rng.integers(1, 12))
+        last = rng.uniform(0.1, 4.0, n) * target  # each chunk's own ceiling within the bounds, or near
+        end = last * rng.uniform(0.01, 1.0, n)
+        costs = [ChunkCost(float(e), float(l)) for e, l in zip(end, last)]
+        got = rate.scales(level, small_profile, costs)
+        lo, hi = (b * lv.scale_in(small_profile) for b in rate.settings(small_profile).bounds)
+        assert all(rate.on_grid(lo) - 1e-9 <= s <= hi + 1e-9 for s in got)
+        if all(s > rate.on_grid(lo) for s in got):  # the bounds did not force any chunk finer
+            assert spent(costs, got) <= target * (1 + 1e-6)
+            assert all(c.last * s * s <= target * (1 + 1e-6) for c, s in zip(costs, got))
+
+
+def test_a_dearer_chunk_gets_finer_steps_and_equal_chunks_equal_steps(tuned):
+    small_profile = tuned
+    same = rate.scales("balanced", small_profile, [ChunkCost(1e-4, 1e-4)] * 4)
+    assert len(set(same)) == 1
+    cheap, dear = rate.scales("balanced", small_profile, [ChunkCost(1e-5, 1e-4), ChunkCost(1e-3, 1e-3)])
+    assert cheap > dear
+    # A chunk that costs little from the end but much to a prompt ending right after it is held
+    # to what that prompt allows.
+    target = rate.settings(tuned).target(levels.get("balanced"))
+    early, _ = rate.scales("balanced", small_profile, [ChunkCost(1e-9, target / 4), ChunkCost(1e-3, 1e-3)])
+    assert early <= 2.0 + 1e-9
+
+
+def test_scales_lie_on_the_grid_at_or_below_the_allocation():
+    for x in (0.37, 1.0, 1.5, 2.4, 7.9):
+        g = rate.on_grid(x)
+        assert g <= x + 1e-12 and x / g < 2 ** (1 / rate.GRID_PER_OCTAVE) + 1e-9
+        assert math.isclose(math.log2(g) * rate.GRID_PER_OCTAVE, round(math.log2(g) * rate.GRID_PER_OCTAVE), abs_tol=1e-6)
+
+
+def test_a_profile_without_targets_codes_every_chunk_at_its_levels_one_scale(small_profile):
+    assert not rate.tuned(small_profile)
+    assert rate.scales("fast", small_profile, [ChunkCost(1e-9, 1e-9), ChunkCost(1.0, 1.0)]) == [None, None]
+
+
+def test_a_profiles_own_targets_and_bounds_are_what_it_codes_by(small_profile):
+    lv = levels.get("fast")
+    own = codec.Profile(dict(small_profile.meta, rate_control={"targets": {"fast": 0.5}, "bounds": [1, 1]}),
+                        small_profile.tensors)
+    assert rate.settings(own).target(lv) == 0.5
+    assert rate.settings(own).target(levels.get("high")) == pytest.approx(rate.DEFAULT_MARGIN * 0.002)
+    assert rate.scales("fast", own, [ChunkCost(1e-9, 1e-9)]) == [rate.on_grid(lv.scale_in(own))]  # bounds [1, 1]
+
+
+@pytest.mark.parametrize("bad", [[1.0], [1.0, 2.0, 3.0], [-1.0, 1.0], [float("nan"), 1.0], ["x", 1.0], "ab", None])
+def test_a_malformed_cost_is_a_codec_error(bad):
+    with pytest.raises(CodecError):
+        ChunkCost.of(bad)
+
+
+def test_a_chunk_coded_at_its_own_scale_carries_its_steps_and_decodes_without_them(small_profile):
+    kv = synthetic_kv(300, seed=3).half()
+    fine = codec.encode(kv, "balanced", small_profile, start=0, scale=1.0)
+    coarse = codec.encode(kv, "balanced", small_profile, start=0, scale=4.0)
+    assert len(coarse) < len(fine)
+    h = bitstream.unpack(coarse)
+    assert np.allclose(h.steps, small_profile.base_step * 4.0)
+    err = [float((codec.decode(d, small_profile).float() - kv.float()).pow(2).mean()) for d in (fine, coarse)]
+    assert err[0] < err[1]
+
+
+def test_a_level_with_steps_per_third_of_layers_takes_no_scale(small_profile):
+    with pytest.raises(ValueError, match="takes no scale"):
+        levels.get("cachegen-paper").steps(small_profile, 2.0)
