@@ -52,6 +52,7 @@ def _profile_tune_rate(args: argparse.Namespace) -> int:
     prof = Profile(dict(prof.meta), dict(prof.tensors))  # a new profile, its id taken afresh
     tuning = calibrate.tuning_cases(lm, texts=args.texts or calibrate.TUNING_TEXTS)
     prof.meta["rate_control"] = calibrate.tune_targets(lm, prof, tuning)
+    prof._id = None  # meta changed: the id the tuning's coding took is not the new profile's
     out = Path(args.out) if args.out else registry.user_file(prof)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
