@@ -78,13 +78,9 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
                   anchor_step: float, start: int, sink_rows: int, profile: Profile,
                   angles: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> bytes:
     """One substream: x [T, H, D] of one (layer, K/V); angles: key_angles of its chunk."""
-    x = x[sink_rows:].to(torch.float32)
+    x = _channels(x, layer, k_or_v, transforms, start, sink_rows, profile, angles)
     n = x.shape[0]
     step = float(steps[layer, k_or_v])
-    if transforms & bs.UNROTATE_KEYS and k_or_v == 0:
-        x = rope.unrotate(x, start + sink_rows, profile.inv_freq(layer),
-                          angles.get(profile.rope_kind(layer)) if angles else None)
-    x = x.reshape(n, x.shape[1] * x.shape[2])
     if transforms & bs.DELTA:
         mean = torch.from_numpy(profile.tensors["chan_mean"][layer, k_or_v])
         xc = x - mean
@@ -95,11 +91,52 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
         d_sym = quantize(anchor.deltas(xc, a_hat, profile.group), d_step)
         return entropy.encode_blocks([(a_sym, profile.models("anchor", layer, k_or_v, anchor_step)),
                                       (d_sym, profile.models("delta", layer, k_or_v, step))])
-    if transforms & bs.PCA:
-        x = pca.forward(x, torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v))
-        sym = quantize(x, profile.component_steps(layer, k_or_v, step))
-    else:
-        sym = quantize(x, torch.tensor(step))
+    sym = transformed_symbols(x, layer, k_or_v, transforms, step, profile)
     if transforms & bs.RANS:
         return rans.encode_block(sym, profile.rans_models(layer, k_or_v, step))
     return entropy.encode_blocks([(sym, profile.models("pca", layer, k_or_v, step))])
+
+
+def _channels(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, start: int, sink_rows: int,
+              profile: Profile, angles: dict | None) -> torch.Tensor:
+    """x [T, H, D] of one (layer, K/V) -> the channels [T - sink_rows, H*D] (float32) its
+    quantizer sees: keys un-rotated where the transforms say."""
+    x = x[sink_rows:].to(torch.float32)
+    n = x.shape[0]
+    if transforms & bs.UNROTATE_KEYS and k_or_v == 0:
+        x = rope.unrotate(x, start + sink_rows, profile.inv_freq(layer),
+                          angles.get(profile.rope_kind(layer)) if angles else None)
+    return x.reshape(n, x.shape[1] * x.shape[2])
+
+
+def transformed_symbols(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, step: float,
+                        profile: Profile) -> np.ndarray:
+    """Channels x [n, C] of one stream -> its quantized symbols [n, C] (int32): PCA components
+    at their steps, or the channels at one step."""
+    if transforms & bs.PCA:
+        x = pca.forward(x, torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v))
+        return quantize(x, profile.component_steps(layer, k_or_v, step))
+    return quantize(x, torch.tensor(step))
+
+
+def roundtrip(kv: torch.Tensor, level: str | levels.Level, profile: Profile, start: int = 0,
+              scale: float | None = None) -> torch.Tensor:
+    """What decode(encode(kv, level, profile, start, scale)) gives, without the entropy coder
+    either way (the same symbols, through the decoder's own inverse): what coding a chunk does
+    to it, for a probe that prices it (kvstreamd.models.rate_probe). Levels without the
+    entropy coder's lossless step between them (anchor/delta) are refused."""
+    from .decoder import for_profile, fill_sink  # the inverse is the decoder's: one definition
+
+    lv = levels.get(level)
+    h = header_of(kv, lv, profile, start, scale)
+    if h.transforms & bs.DELTA:
+        raise ValueError(f"roundtrip() takes the PCA levels, not {lv.name}")
+    angles = key_angles(h.transforms, start, h.sink_tokens, kv.shape[2], profile)
+    sym = np.stack([transformed_symbols(_channels(kv[layer, k_or_v], layer, k_or_v, h.transforms, start,
+                                                  h.sink_tokens, profile, angles),
+                                        layer, k_or_v, h.transforms, float(h.steps[layer, k_or_v]), profile).T
+                    for layer in range(h.layers) for k_or_v in range(2)])
+    out = torch.empty(kv.shape, dtype=kv.dtype)
+    for_profile(profile).from_symbols(h, torch.from_numpy(np.ascontiguousarray(sym, np.float32)), out)
+    fill_sink(h, out)
+    return out

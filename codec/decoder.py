@@ -287,6 +287,13 @@ class Decoder:
         d_hat = dequantize(d_sym.T, torch.from_numpy(p.tensors["delta_sigma"][layer, kv]) * step)
         return anchor.merge(a_hat, d_hat, n, h.group) + torch.from_numpy(p.tensors["chan_mean"][layer, kv])
 
+    def from_symbols(self, h: bs.Header, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Every stream of chunk h from its quantized symbols, values [2L, C, n] (float32, as
+        entropy decoding gives them; overwritten), into out [L, 2, T, H, D] on the CPU, the sink
+        rows aside (fill_sink's): the decode's inverse without its entropy decode."""
+        t = self.tables(h.steps, pca_bases=bool(h.transforms & bs.PCA))
+        self._write(h, self._channels(h, t, values, 0), values, 0, out)
+
     def decode_streams(self, h: bs.Header, streams: range, out: torch.Tensor) -> None:
         """Streams `streams` (consecutive) of chunk h into out [L, 2, T, H, D] on the CPU (the
         pool's workers each take some); the sink rows are fill_sink's."""

@@ -9,6 +9,8 @@ import time
 import torch
 
 from codec import rate, registry
+from codec.errors import CodecError
+from codec.profile import Profile
 
 from ..client import Client
 from .adapter import LoadedModel, prefill
@@ -27,10 +29,19 @@ def put_context(lm: LoadedModel, client: Client, tokens: list[int], kv: torch.Te
     t1 = time.perf_counter()
     kv = kv.to(dtype)
     costs = None
-    profile = registry.for_model(lm.model_id)
-    if measure and rate.tuned(profile):  # an untuned profile codes every chunk at its level's one scale
+    profile = _profile(lm.model_id) if measure else None
+    if profile is not None and rate.tuned(profile):  # an untuned profile codes every chunk at its level's one scale
         chunk_tokens = client.status()["chunk_tokens"]
         costs = [c.to_list() for c in chunk_costs(lm, tokens, kv, chunk_tokens, profile)]
     t2 = time.perf_counter()
     reply = client.put(lm.model_id, tokens, kv, pin=pin, costs=costs)
     return {**reply, "prefill_s": round(t1 - t0, 3), "probe_s": round(t2 - t1, 3)}
+
+
+def _profile(model_id: str) -> Profile | None:
+    """The model's profile as this process finds it (codec.registry), None where it finds none:
+    a daemon given the profile by `[codec] profile` codes what it is sent without costs."""
+    try:
+        return registry.for_model(model_id)
+    except CodecError:
+        return None

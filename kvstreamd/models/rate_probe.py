@@ -1,18 +1,19 @@
 """What coding each chunk of a context costs the model (codec.rate.ChunkCost), measured where
 the model is: in the process that has just prefilled the context and is about to put it.
 
-Each chunk is coded once at codec.rate.PROBE_SCALE and decoded, and put in place of its exact
+Each chunk is coded once at codec.rate.PROBE_SCALE and decoded (codec.cachegen.roundtrip: the
+codec's own symbols and inverse, without the entropy coder), and put in place of its exact
 KV, alone, under two short probes of the context's own tokens (no text beyond the context is
 needed): the context's last PROBE_TOKENS (`end`) and the PROBE_TOKENS right after the chunk
 (`last`; for the last chunk the two are one). The KL of each against the same probe on the
 exact KV, over PROBE_SCALE**2, is the chunk's cost. A context of n chunks costs 2n forward
-passes of PROBE_TOKENS tokens and n encodes and decodes at one level.
+passes of PROBE_TOKENS tokens and n roundtrips at one level.
 """
 from __future__ import annotations
 
 import torch
 
-import codec
+from codec.cachegen import roundtrip
 from codec.profile import Profile
 from codec.rate import PROBE_SCALE, ChunkCost
 
@@ -41,8 +42,7 @@ def chunk_costs(lm: LoadedModel, tokens: list[int], kv: torch.Tensor, chunk_toke
         raise ValueError(f"KV holds {kv.shape[2]} tokens, the context {n_tok}")
     bounds = [(s, min(s + chunk_tokens, n_tok)) for s in range(0, n_tok, chunk_tokens)]
     probe = max(1, min(PROBE_TOKENS, (bounds[-1][1] - bounds[-1][0]) // 2))
-    coded = [codec.decode(codec.encode(kv[:, :, s:e], PROBE_LEVEL, profile, start=s, scale=PROBE_SCALE), profile)
-             .to(kv.dtype) for s, e in bounds]
+    coded = [roundtrip(kv[:, :, s:e], PROBE_LEVEL, profile, start=s, scale=PROBE_SCALE) for s, e in bounds]
 
     def cost(cut: int, c: int) -> float:
         """KL of tokens[cut:cut+probe] on kv[:cut] with chunk c's part of it coded."""

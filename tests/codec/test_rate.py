@@ -100,3 +100,17 @@ def test_a_chunk_coded_at_its_own_scale_carries_its_steps_and_decodes_without_th
 def test_a_level_with_steps_per_third_of_layers_takes_no_scale(small_profile):
     with pytest.raises(ValueError, match="takes no scale"):
         levels.get("cachegen-paper").steps(small_profile, 2.0)
+
+
+@pytest.mark.parametrize("level,scale,start", [("high", None, 0), ("fast", 3.0, 0), ("balanced", 1.7, 512)])
+def test_roundtrip_is_what_decoding_the_encoded_chunk_gives(small_profile, level, scale, start):
+    """The probes' roundtrip: the same symbols through the decoder's own inverse, no entropy coder."""
+    kv = synthetic_kv(300, seed=4).half()
+    want = codec.decode(codec.encode(kv, level, small_profile, start=start, scale=scale), small_profile)
+    got = codec.cachegen.roundtrip(kv, level, small_profile, start=start, scale=scale)
+    assert got.dtype == kv.dtype and torch.equal(got, want)
+
+
+def test_roundtrip_refuses_the_anchor_delta_levels(small_profile):
+    with pytest.raises(ValueError, match="PCA levels"):
+        codec.cachegen.roundtrip(synthetic_kv(64).half(), "cachegen-paper", small_profile)

@@ -88,13 +88,16 @@ def test_no_confident_prediction_flips(lm, case, shipped, level):
     assert torch.equal(logits[sure].argmax(-1), ref[sure].argmax(-1))
 
 
-def test_rate_probes_price_each_chunk_and_the_chunk_nearest_the_end_costs_most_from_it(lm, case, shipped):
+def test_rate_probes_price_each_chunk_and_its_scales_meet_the_target(lm, case, shipped):
     kv, _, _ = case
     tokens = corpus.windows(lm.tokenizer, "test", 1, 700)[0][:600]
     costs = rate_probe.chunk_costs(lm, tokens, kv, CHUNK, shipped)
     assert len(costs) == 3 and all(c.end > 0 and c.last > 0 for c in costs)
     assert costs[-1].end == costs[-1].last  # one probe: the context's end is right after its last chunk
-    assert costs[-1].end > 3 * costs[0].end
+    # What the probes code with is what decoding the coded chunk gives, on real KV too.
+    chunk = kv[:, :, CHUNK:2 * CHUNK]
+    assert torch.equal(codec.cachegen.roundtrip(chunk, "balanced", shipped, start=CHUNK, scale=2.4),
+                       codec.decode(codec.encode(chunk, "balanced", shipped, start=CHUNK, scale=2.4), shipped))
     # Coded at the scales the costs give them, the chunks meet the level's target on the probe.
     level = "balanced"
     scales = rate.scales(level, shipped, costs)
