@@ -281,32 +281,41 @@ def block_tokens(config) -> int:
     return min([PREFILL_BLOCK, *[w - 1 for w in windows]])
 
 
-def run(model, ids: torch.Tensor, cache, *, all_logits: bool, keep_kv: bool):
+def run(model, ids: torch.Tensor, cache, *, all_logits: bool, keep_kv: bool, rows: list[int] | None = None):
     """Run token ids [T] through a transformers model on top of `cache` (appended in place), in
     blocks of block_tokens(). Returns (logits: every token's [T, vocab] or the last's [1, vocab],
-    fp32; every layer's KV of the new tokens `[L, 2, T, H, D]` if keep_kv else None)."""
+    fp32, or with `rows` (indices into ids, ascending) those tokens' only; every layer's KV of the
+    new tokens `[L, 2, T, H, D]` if keep_kv else None)."""
     name = cache_kwarg(model)
-    # logits_to_keep=1 skips the vocab projection (~1/5 of the FLOPs for SmolLM2, most of them for
-    # Gemma's 262K vocabulary) of all but the last token.
-    keep = {} if all_logits else {"logits_to_keep": 1}
     device = next(model.parameters()).device
     logits, new = [], []
     block = block_tokens(model.config)
     for start in range(0, ids.numel(), block):
         piece = ids[start:start + block].unsqueeze(0).to(device)
+        n = piece.shape[1]
+        # logits_to_keep skips the vocab projection (~1/5 of the FLOPs for SmolLM2, most of them
+        # for Gemma's 262K vocabulary) of the tokens whose logits are not asked for.
+        if rows is not None:
+            local = [r - start for r in rows if start <= r < start + n]
+            keep = {"logits_to_keep": torch.tensor(local if local else [n - 1], device=device)}
+        else:
+            local = None
+            keep = {} if all_logits else {"logits_to_keep": 1}
         # The model appends to `cache` in place; positions continue after what it holds.
         out = model(input_ids=piece, use_cache=True, **{name: cache}, **keep)
-        logits.append(out.logits[0].float())
+        if local is None or local:
+            logits.append(out.logits[0].float())
         del out
         if keep_kv:
-            n = piece.shape[1]
             new.append(torch.stack([torch.stack([k[0, :, -n:], v[0, :, -n:]]) for k, v in _cache_layers(cache)]))
     kv_new = torch.cat(new, dim=3).transpose(2, 3).contiguous() if keep_kv else None  # [L, 2, H, T, D] -> [L, 2, T, H, D]
+    if rows is not None:
+        return (torch.cat(logits) if logits else torch.empty(0)), kv_new
     return (torch.cat(logits) if all_logits else logits[-1]), kv_new
 
 
 @torch.no_grad()  # not inference_mode: its tensors cannot be edited in place later (codec work does)
-def _forward(lm: LoadedModel, tokens, kv, all_logits: bool, keep_kv: bool):
+def _forward(lm: LoadedModel, tokens, kv, all_logits: bool, keep_kv: bool, rows: list[int] | None = None):
     """Run `tokens` after `kv`; returns (logits, the cache, every layer's KV of the new tokens
     `[L, 2, T_new, H, D]` if keep_kv else None)."""
     ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
@@ -318,7 +327,7 @@ def _forward(lm: LoadedModel, tokens, kv, all_logits: bool, keep_kv: bool):
     config = lm.model.config
     # a decoded cache may come as fp16/bf16: the model runs in fp32
     cache = cache_from_kv(kv, torch.float32, config) if kv is not None else empty_cache(config)
-    logits, kv_new = run(lm.model, ids, cache, all_logits=all_logits, keep_kv=keep_kv)
+    logits, kv_new = run(lm.model, ids, cache, all_logits=all_logits, keep_kv=keep_kv, rows=rows)
     return logits, cache, kv_new
 
 
@@ -329,12 +338,14 @@ def empty_cache(config):
     return DynamicCache(config=config)
 
 
-def prefill(lm: LoadedModel, tokens, kv: torch.Tensor | None = None, *, all_logits: bool = True):
+def prefill(lm: LoadedModel, tokens, kv: torch.Tensor | None = None, *, all_logits: bool = True,
+            logits_at: list[int] | None = None):
     """Run `tokens` on top of an optional prior KV (`[L, 2, T, H, D]`, every layer's every token);
     positions continue after it. Returns (logits `[T, vocab]` fp32 for each new token, or
-    `[1, vocab]` for the last if not `all_logits`, and the KV of prior + new tokens
+    `[1, vocab]` for the last if not `all_logits`, or `[len(logits_at), vocab]` for the new
+    tokens at those indices (ascending), and the KV of prior + new tokens
     `[L, 2, T_total, H, D]`, every layer's every token, sliding layers included)."""
-    logits, _, new = _forward(lm, tokens, kv, all_logits, keep_kv=True)
+    logits, _, new = _forward(lm, tokens, kv, all_logits, keep_kv=True, rows=logits_at)
     return logits, new if kv is None else torch.cat([kv.to(new.dtype), new], dim=2)
 
 

@@ -14,7 +14,7 @@ from codec.profile import Profile
 
 from ..client import Client
 from .adapter import LoadedModel, prefill
-from .rate_probe import chunk_costs
+from .rate_probe import chunk_costs, probe_rows
 
 
 def put_context(lm: LoadedModel, client: Client, tokens: list[int], kv: torch.Tensor | None = None, *,
@@ -24,15 +24,19 @@ def put_context(lm: LoadedModel, client: Client, tokens: list[int], kv: torch.Te
     or a model whose profile is not tuned for rate control, skips them, and the daemon codes
     every chunk at its level's one scale)."""
     t0 = time.perf_counter()
-    if kv is None:
-        _, kv = prefill(lm, tokens, all_logits=False)
+    profile = _profile(lm.model_id) if measure else None
+    probing = profile is not None and rate.tuned(profile)  # an untuned profile codes every chunk at its level's one scale
+    chunk_tokens = client.status()["chunk_tokens"] if probing else 0
+    exact = None
+    if kv is None:  # the prefill keeps the logits the probes compare with: a forward fewer for each
+        rows = probe_rows(len(tokens), chunk_tokens) if probing else None
+        exact, kv = prefill(lm, tokens, all_logits=False, logits_at=rows)
+        exact = exact if probing else None
     t1 = time.perf_counter()
     kv = kv.to(dtype)
     costs = None
-    profile = _profile(lm.model_id) if measure else None
-    if profile is not None and rate.tuned(profile):  # an untuned profile codes every chunk at its level's one scale
-        chunk_tokens = client.status()["chunk_tokens"]
-        costs = [c.to_list() for c in chunk_costs(lm, tokens, kv, chunk_tokens, profile)]
+    if probing:
+        costs = [c.to_list() for c in chunk_costs(lm, tokens, kv, chunk_tokens, profile, exact)]
     t2 = time.perf_counter()
     reply = client.put(lm.model_id, tokens, kv, pin=pin, costs=costs)
     return {**reply, "prefill_s": round(t1 - t0, 3), "probe_s": round(t2 - t1, 3)}

@@ -6,8 +6,9 @@ codec's own symbols and inverse, without the entropy coder), and put in place of
 KV, alone, under two short probes of the context's own tokens (no text beyond the context is
 needed): the context's last PROBE_TOKENS (`end`) and the PROBE_TOKENS right after the chunk
 (`last`; for the last chunk the two are one). The KL of each against the same probe on the
-exact KV, over PROBE_SCALE**2, is the chunk's cost. A context of n chunks costs 2n forward
-passes of PROBE_TOKENS tokens and n roundtrips at one level.
+exact KV, over PROBE_SCALE**2, is the chunk's cost. A context of n chunks costs 2n - 1 forward
+passes of PROBE_TOKENS tokens and n roundtrips at one level, and n more forwards unless the
+prefill kept the exact logits the probes compare with (probe_rows, models.put does).
 """
 from __future__ import annotations
 
@@ -32,35 +33,54 @@ def kl(reference: torch.Tensor, test: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
+def _layout(n_tok: int, chunk_tokens: int) -> tuple[list[tuple[int, int]], int]:
+    """(each chunk's token range, the probe's length) of a context of n_tok tokens."""
+    bounds = [(s, min(s + chunk_tokens, n_tok)) for s in range(0, n_tok, chunk_tokens)]
+    return bounds, max(1, min(PROBE_TOKENS, (bounds[-1][1] - bounds[-1][0]) // 2))
+
+
+def probe_rows(n_tok: int, chunk_tokens: int) -> list[int]:
+    """The tokens (ascending, disjoint) whose exact logits the probes compare against: those
+    right after each chunk but the last, then the context's last ones. A caller that prefills
+    the context asks models.prefill for them (logits_at) and saves the probes a forward each."""
+    bounds, probe = _layout(n_tok, chunk_tokens)
+    return [t for _, e in bounds[:-1] for t in range(e, e + probe)] + list(range(n_tok - probe, n_tok))
+
+
 @torch.no_grad()
 def chunk_costs(lm: LoadedModel, tokens: list[int], kv: torch.Tensor, chunk_tokens: int,
-                profile: Profile) -> list[ChunkCost]:
+                profile: Profile, exact: torch.Tensor | None = None) -> list[ChunkCost]:
     """One ChunkCost per chunk of `chunk_tokens` of the context `tokens`, whose KV
-    `[L, 2, T, H, D]` (as it will be put) is `kv`."""
+    `[L, 2, T, H, D]` (as it will be put) is `kv`. `exact`: the context's logits at
+    probe_rows() from its prefill, else run here on the exact KV."""
     n_tok = len(tokens)
     if kv.shape[2] != n_tok:
         raise ValueError(f"KV holds {kv.shape[2]} tokens, the context {n_tok}")
-    bounds = [(s, min(s + chunk_tokens, n_tok)) for s in range(0, n_tok, chunk_tokens)]
-    probe = max(1, min(PROBE_TOKENS, (bounds[-1][1] - bounds[-1][0]) // 2))
+    bounds, probe = _layout(n_tok, chunk_tokens)
+    if exact is not None and exact.shape[0] != len(probe_rows(n_tok, chunk_tokens)):
+        raise ValueError(f"exact logits for {exact.shape[0]} tokens, the probes read {len(probe_rows(n_tok, chunk_tokens))}")
     coded = [roundtrip(kv[:, :, s:e], PROBE_LEVEL, profile, start=s, scale=PROBE_SCALE) for s, e in bounds]
 
-    def cost(cut: int, c: int) -> float:
-        """KL of tokens[cut:cut+probe] on kv[:cut] with chunk c's part of it coded."""
+    def cost(cut: int, c: int, i: int) -> float:
+        """KL of tokens[cut:cut+probe] on kv[:cut] with chunk c's part of it coded; the probe's
+        exact logits are rows i*probe.. of `exact`."""
         ids = tokens[cut:cut + probe]
-        exact = kv[:, :, :cut]
-        ref = continuation_logits(lm, exact, ids)
-        mixed = exact.clone()
+        ref = (continuation_logits(lm, kv[:, :, :cut], ids) if exact is None
+               else exact[i * probe:(i + 1) * probe])
+        mixed = kv[:, :, :cut].clone()
         s, e = bounds[c]
         mixed[:, :, s:min(e, cut)] = coded[c][:, :, :min(e, cut) - s]
         return kl(ref, continuation_logits(lm, mixed, ids)) / PROBE_SCALE ** 2
 
+    n = len(bounds)
     end_cut = n_tok - probe
-    ref_end = continuation_logits(lm, kv[:, :, :end_cut], tokens[end_cut:])
+    # the one reference every end probe shares
+    shared = continuation_logits(lm, kv[:, :, :end_cut], tokens[end_cut:]) if exact is None else exact[(n - 1) * probe:]
     out = []
     for c, (s, e) in enumerate(bounds):
         mixed = kv[:, :, :end_cut].clone()
         mixed[:, :, s:min(e, end_cut)] = coded[c][:, :, :min(e, end_cut) - s]
-        end = kl(ref_end, continuation_logits(lm, mixed, tokens[end_cut:])) / PROBE_SCALE ** 2
-        last = end if c == len(bounds) - 1 else cost(e, c)
+        end = kl(shared, continuation_logits(lm, mixed, tokens[end_cut:])) / PROBE_SCALE ** 2
+        last = end if c == n - 1 else cost(e, c, c)
         out.append(ChunkCost(end, last))
     return out

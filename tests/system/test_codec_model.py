@@ -94,6 +94,13 @@ def test_rate_probes_price_each_chunk_and_its_scales_meet_the_target(lm, case, s
     costs = rate_probe.chunk_costs(lm, tokens, kv, CHUNK, shipped)
     assert len(costs) == 3 and all(c.end > 0 and c.last > 0 for c in costs)
     assert costs[-1].end == costs[-1].last  # one probe: the context's end is right after its last chunk
+    # Given the prefill's own logits at the probes' tokens, the costs are the same (up to the
+    # fp16 rounding of the KV the probes run on) and the probes run a forward fewer per chunk.
+    rows = rate_probe.probe_rows(len(tokens), CHUNK)
+    exact, _ = models.prefill(lm, tokens, all_logits=False, logits_at=rows)
+    again = rate_probe.chunk_costs(lm, tokens, kv, CHUNK, shipped, exact)
+    for a, b in zip(again, costs):
+        assert a.end == pytest.approx(b.end, rel=0.05, abs=1e-7) and a.last == pytest.approx(b.last, rel=0.05, abs=1e-7)
     # What the probes code with is what decoding the coded chunk gives, on real KV too.
     chunk = kv[:, :, CHUNK:2 * CHUNK]
     assert torch.equal(codec.cachegen.roundtrip(chunk, "balanced", shipped, start=CHUNK, scale=2.4),
@@ -103,6 +110,15 @@ def test_rate_probes_price_each_chunk_and_its_scales_meet_the_target(lm, case, s
     scales = rate.scales(level, shipped, costs)
     target = rate.settings(shipped).target(codec.levels.get(level))
     assert sum(c.end * s * s for c, s in zip(costs, scales)) <= target * 1.001
+
+
+def test_a_prefill_gives_the_logits_of_the_tokens_asked_for(lm):
+    tokens = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
+    every, kv = models.prefill(lm, tokens)
+    rows = [0, 5, 6, 7, 150, 299]
+    some, kv_again = models.prefill(lm, tokens, all_logits=False, logits_at=rows)
+    assert some.shape == (len(rows), every.shape[1]) and torch.allclose(some, every[rows], atol=1e-4)
+    assert torch.equal(kv_again, kv)
 
 
 def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
