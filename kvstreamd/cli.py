@@ -294,7 +294,8 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--tokens", type=int, default=2048)
     model_option(cal)
     cal.add_argument("--texts", nargs="+", default=None, metavar="KIND",
-                     help="kinds of text whose valid split the level scales are tuned on (default: all)")
+                     help="kinds of text whose valid split the level scales are tuned on (default: every kind "
+                          "tuned on; never manual, held out from tuning)")
     cal.add_argument("--tuning-contexts", type=int, default=None, metavar="N",
                      help="contexts of each kind of text the sensitivity and level scales are measured on "
                           "(default 3; fewer, and fewer tokens, make a quick rough profile)")
@@ -309,7 +310,8 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--profile", metavar="PATH", help="the profile to start from (default: the model's)")
     tr.add_argument("--out", metavar="PATH", help="where to write it (default: the user profile folder)")
     tr.add_argument("--texts", nargs="+", default=None, metavar="KIND",
-                    help="kinds of text whose valid split the targets are tuned on (default: all)")
+                    help="kinds of text whose valid split the targets are tuned on (default: every kind "
+                         "tuned on; never manual, held out from tuning)")
     model_option(tr)
     tr.set_defaults(func=_profile_tune_rate)
     return p

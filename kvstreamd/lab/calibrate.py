@@ -1,7 +1,8 @@
 """Make a codec profile for a model: PCA bases and symbol statistics from sample KV, the
 model's sensitivity to errors in each (layer, K/V) stream, and the step scale of each level,
 all measured on calibration text (the valid.txt splits: WikiText-2 for the statistics, every
-kind of text for the level scales) -- never on the text we report on."""
+kind of text tuned on for the level scales, corpus.TUNED) -- never on the text we report on,
+and never on a kind held out from tuning (corpus's `manual`, which has no valid.txt)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,11 +26,12 @@ LEVEL_KL_FLOORS = {name: LEVELS[name].kl_floor for name in LADDER}
 # with a margin, for held-out text of a kind that is harder than the tuning text of that kind.
 KL_MARGIN = 0.8  # held-out KL came out up to 1.14x the tuning target (Gemma fast, WikiText); 0.75 on SmolLM2, docs/benchmarks.md
 LEVEL_KL_TARGETS = {name: round(KL_MARGIN * floor, 6) for name, floor in LEVEL_KL_FLOORS.items()}
-# The level scales are tuned on every kind of text, on its tuning split (valid.txt): a level
-# must hold its quality on contracts or code as well as on Wikipedia prose. Contexts are of the
-# benchmark's shape (3 x 3072 tokens, 256 continuation tokens): short contexts are noisier and
-# not what the daemon stores.
-TUNING_TEXTS = tuple(corpus.KINDS)
+# The level scales are tuned on every kind of text that is tuned on (corpus.TUNED: all but the
+# kind held out from tuning), on its tuning split (valid.txt): a level must hold its quality on
+# contracts or code as well as on Wikipedia prose, and the held-out kind checks that it holds on
+# a kind no tuning saw. Contexts are of the benchmark's shape (3 x 3072 tokens, 256 continuation
+# tokens): short contexts are noisier and not what the daemon stores.
+TUNING_TEXTS = corpus.TUNED
 TUNING_CONTEXTS, TUNING_TOKENS, TUNING_CONTINUATION = 3, 3072, 256
 # The sensitivity that finally sets each stream's step is measured with the codec's own error,
 # on the tuning text of every kind, at this level's default scale (between high and fast).
@@ -182,6 +184,9 @@ def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = T
                  log: Callable[[str], None] = print) -> dict[str, list]:
     """kind -> [(kv, continuation tokens, exact continuation logits, context tokens)], from each
     kind's split."""
+    texts = tuple(texts)
+    for kind in texts:  # a kind held out from tuning, or unknown, is refused before any prefill
+        corpus.path(split, kind)
     out = {}
     for kind in texts:
         out[kind] = []
@@ -278,6 +283,9 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     scales are then tuned on that text: `tuning_contexts` x `tuning_tokens` (+
     `tuning_continuation`) tokens of each kind. `sensitivity` reuses an earlier profile's final
     measurement (the slow part) and skips both."""
+    texts = tuple(texts)
+    for kind in texts:  # a kind held out from tuning, or unknown, is refused before any prefill
+        corpus.path(split, kind)
     windows = corpus.windows(lm.tokenizer, split, contexts, tokens + continuation)
     sensitivity_tokens = min(sensitivity_tokens, tokens)  # a short calibration measures on what it has
     samples, cases = [], []
@@ -296,7 +304,6 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     log("measuring channel weights (query energy per rotary pair, o_proj column norms)")
     weights = channel_weights(lm, [w[:tokens] for w in windows[:2]], sink_tokens)
     log("fitting PCA bases and symbol statistics")
-    texts = tuple(texts)
     # (a model with fewer positions tunes on the longest contexts it takes)
     tuning_tokens = min(tuning_tokens, lm.max_positions - tuning_continuation - 1)
     prof = profiles.fit(samples, model_id=lm.model_id, inv_freq=lm.rotary.inv_freq,
