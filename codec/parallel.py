@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from . import bitstream as bs, cachegen, decoder, levels, registry
+from . import bitstream as bs, cachegen, decoder, levels, rate, registry
 from .segments import Arena, Destination, open_segment, worker_map
 from .errors import CodecError
 from .profile import Profile
@@ -170,6 +170,24 @@ def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str
     return res
 
 
+def _warm_scale(index: int, workers: int, profile_id: bytes, scale: float) -> None:
+    """Worker `index`'s share of the entropy tables chunks of `profile_id` coded at `scale`
+    (codec.rate: a chunk's own scale) decode with, built before such a chunk comes."""
+    prof = registry.find(profile_id)
+    for coded in _coded_layer_sets(prof):
+        runs = split(2 * coded.layers, workers)
+        if index < len(runs):
+            steps = levels.get(levels.LADDER[0]).steps(coded, scale)  # every level of the ladder: base_step x scale
+            for s in runs[index]:
+                coded.rans_models(s // 2, s % 2, float(steps[s // 2, s % 2]))
+
+
+def _table_steps(profile_id: bytes) -> list[tuple[int, float]]:
+    """(stream, step) of every rANS table this worker holds for the profile."""
+    profile = registry.find(profile_id)
+    return sorted((2 * key[1] + key[2], key[3]) for key in profile._models if key[0] == "rans")
+
+
 def _streams_with_tables(profile_id: bytes) -> list[int]:
     profile = registry.find(profile_id)
     return sorted({2 * key[1] + key[2] for key in profile._models})
@@ -208,9 +226,30 @@ class CodecPool:
         self.restarts = 0  # times the workers were replaced
         self.last_loss: str | None = None  # how a worker last died
         self._lost: tuple[list[cf.ProcessPoolExecutor], str] | None = None  # the last broken executors, and why
+        self.grid_warm = False  # every grid scale's tables built (_warm_grid)
         self._pool = self._start()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="codec-pool-watch")
         self._watcher.start()
+        self._warmer = threading.Thread(target=self._warm_grid, daemon=True, name="codec-pool-warm")
+        self._warmer.start()
+
+    def _warm_grid(self) -> None:
+        """In the background: each worker's share of the tables of every scale rate control may
+        give a chunk (codec.rate.grid_scales) of each tuned profile the workers know, nearest the
+        levels' own scales first, one job a worker at a time. A chunk at a scale not seen yet
+        then finds its tables built (0.36 s of one core for SmolLM2's 60 streams, in the middle
+        of a fetch otherwise), and a job arriving meanwhile waits behind one scale at most."""
+        known = {p.id: p for p in registry.current()}
+        known.update({p.id: p for p in map(Profile.load, self._initargs[0])})
+        for prof in known.values():
+            for scale in rate.grid_scales(prof):
+                if self._closed:
+                    return
+                try:
+                    self._run([(k, _warm_scale, k, self.workers, prof.id, scale) for k in range(self.workers)])
+                except BaseException:  # the pool closing, or its workers lost twice: warming is best effort
+                    return
+        self.grid_warm = True
 
     def _start(self) -> list[cf.ProcessPoolExecutor]:
         ctx = mp.get_context("spawn")
@@ -351,6 +390,10 @@ class CodecPool:
             warm = tuple(warm if warm_levels is None else warm_levels)
             self._run([(k, _learn_profile, k, self.workers, str(path), warm) for k in range(self.workers)])
             self._profile_ids.add(prof.id)
+
+    def table_steps(self, profile: Profile) -> list[list[tuple[int, float]]]:
+        """Per worker, the (stream, step) pairs of `profile` it holds rANS tables for."""
+        return self._run([(k, _table_steps, profile.id) for k in range(self.workers)])
 
     def streams_with_tables(self, profile: Profile) -> list[list[int]]:
         """Per worker, the streams of `profile` it has built entropy models for."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import CodecError
-from .levels import Level, get as get_level
+from .levels import LADDER, Level, get as get_level
 from .profile import Profile
 
 # The scale on the profile's base steps the probes code each chunk at: between high's and
@@ -104,6 +104,23 @@ def tuned(profile: Profile) -> bool:
     """Whether the profile carries rate control's targets: only then are its chunks coded each at
     its own scale (an untuned target would trade quality for size blind)."""
     return bool((profile.meta.get("rate_control") or {}).get("targets"))
+
+
+def grid_scales(profile: Profile) -> list[float]:
+    """Every scale rate control may give a chunk of `profile` at any level of the ladder, the
+    ones nearest a level's own scale first: what a codec worker builds tables for ahead of the
+    chunks (codec.parallel). None for a profile not tuned for it."""
+    if not tuned(profile):
+        return []
+    rc = settings(profile)
+    near: dict[float, float] = {}
+    for name in LADDER:
+        base = get_level(name).scale_in(profile)
+        k = math.floor(math.log2(on_grid(rc.bounds[0] * base)) * GRID_PER_OCTAVE + 0.5)
+        while (scale := 2.0 ** (k / GRID_PER_OCTAVE)) <= rc.bounds[1] * base * (1 + 1e-9):
+            near[scale] = min(near.get(scale, math.inf), abs(math.log2(scale / base)))
+            k += 1
+    return sorted(near, key=lambda s: (near[s], s))
 
 
 def on_grid(scale: float) -> float:

@@ -114,3 +114,30 @@ def test_roundtrip_is_what_decoding_the_encoded_chunk_gives(small_profile, level
 def test_roundtrip_refuses_the_anchor_delta_levels(small_profile):
     with pytest.raises(ValueError, match="PCA levels"):
         codec.cachegen.roundtrip(synthetic_kv(64).half(), "cachegen-paper", small_profile)
+
+
+def test_a_pool_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_in_the_background(tuned, tmp_path):
+    """A chunk at a scale its workers have not coded before would build its tables in the middle
+    of a fetch; the pool builds them ahead, each worker its share of the streams."""
+    import time
+
+    from codec.parallel import CodecPool, split
+    path = tuned.save(tmp_path / "tuned.kvprofile")
+    codec.registry.register(codec.Profile.load(path))
+    scales = rate.grid_scales(tuned)
+    lo, hi = min(scales), max(scales)
+    assert len(scales) == len(set(scales)) > 10 and lo < tuned.meta.get("level_scales", {}).get("high", 1.0) < hi
+    with CodecPool(2, profile_paths=(str(path),), warm_levels=()) as pool:
+        deadline = time.monotonic() + 120
+        while not pool.grid_warm and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pool.grid_warm
+        held = pool.table_steps(tuned)
+        for k, run in enumerate(split(2 * tuned.layers, 2)):
+            for scale in scales:
+                steps = levels.get("high").steps(tuned, scale)
+                assert all((s, float(steps[s // 2, s % 2])) in held[k] for s in run), (k, scale)
+        kv = synthetic_kv(64, 7).half()
+        data = codec.encode(kv, "fast", tuned, start=0, scale=scales[3])
+        assert torch.equal(pool.decode(data), codec.decode(data))
+    assert rate.grid_scales(codec.Profile(dict(tuned.meta, rate_control=None), tuned.tensors)) == []
