@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from . import bitstream as bs, cachegen, decoder, levels, rate, registry
+from . import warm
+from .warm import split
 from .segments import Arena, Destination, open_segment, worker_map
 from .errors import CodecError
 from .profile import Profile
@@ -81,12 +83,6 @@ def _job(fn, *args):
             _anon_at_trim = _anon_bytes()
 
 
-def split(streams: int, workers: int) -> list[range]:
-    """Streams 0..streams in one consecutive run per worker: worker k always gets run k, so
-    the tables of a stream are built in one worker only."""
-    return [range(int(part[0]), int(part[-1]) + 1) for part in np.array_split(np.arange(streams), workers) if len(part)]
-
-
 def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     torch.set_num_threads(1)
@@ -95,35 +91,7 @@ def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_
     logging.getLogger(registry.__name__).setLevel(logging.ERROR)
     named = [registry.register(Profile.load(p)) for p in profile_paths]
     known = {p.id: p for p in named + registry.current()}  # the pool's own, and each model's by precedence
-    _warm(index, workers, list(known.values()), warm_levels)
-
-
-def _learn_profile(index: int, workers: int, path: str, warm_levels: tuple[str, ...]) -> None:
-    """A profile file registered in a running worker, and warmed as at its start (add_profile)."""
-    _warm(index, workers, [registry.register(Profile.load(path))], warm_levels)
-
-
-def _warm(index: int, workers: int, known: list[Profile], warm_levels: tuple[str, ...]) -> None:
-    # Worker `index` gets run `index` of every chunk's streams: it builds the decoders' tables
-    # of those up front rather than stalling the first chunks that reach it, and no others
-    # (a Llama-3-8B-shaped stream's tables are ~11 MB; every worker holding all of them cost
-    # ~0.7 GB a worker, docs/benchmarks.md "bench scale").
-    for prof in known:
-        for coded in _coded_layer_sets(prof):
-            runs = split(2 * coded.layers, workers)
-            if index < len(runs):
-                for level in warm_levels:
-                    decoder.for_profile(coded).warm(level, runs[index])
-
-
-def _coded_layer_sets(prof: Profile) -> list[Profile]:
-    """The profiles a worker's chunks come coded with: the whole, and for a hybrid model the
-    subset of its full-attention layers too (a chunk before the last window holds those only:
-    codec.layout), whose decoder keeps step tables of its own. A subset's entropy models are
-    its whole's (Profile.subset), so warming it builds only what the split gives this worker
-    beyond its share of the whole."""
-    full = tuple(i for i, w in enumerate(prof.layer_windows) if w is None)
-    return [prof] if len(full) in (0, prof.layers) else [prof, prof.subset(full)]
+    warm.level_tables(index, workers, list(known.values()), warm_levels)
 
 
 def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: range) -> None:
@@ -168,29 +136,6 @@ def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str
                                   start, sink_rows, profile, angles) for s in streams]
     del kv
     return res
-
-
-def _warm_scale(index: int, workers: int, profile_id: bytes, scale: float) -> None:
-    """Worker `index`'s share of the entropy tables chunks of `profile_id` coded at `scale`
-    (codec.rate: a chunk's own scale) decode with, built before such a chunk comes."""
-    prof = registry.find(profile_id)
-    for coded in _coded_layer_sets(prof):
-        runs = split(2 * coded.layers, workers)
-        if index < len(runs):
-            steps = levels.get(levels.LADDER[0]).steps(coded, scale)  # every level of the ladder: base_step x scale
-            for s in runs[index]:
-                coded.rans_models(s // 2, s % 2, float(steps[s // 2, s % 2]))
-
-
-def _table_steps(profile_id: bytes) -> list[tuple[int, float]]:
-    """(stream, step) of every rANS table this worker holds for the profile."""
-    profile = registry.find(profile_id)
-    return sorted((2 * key[1] + key[2], key[3]) for key in profile._models if key[0] == "rans")
-
-
-def _streams_with_tables(profile_id: bytes) -> list[int]:
-    profile = registry.find(profile_id)
-    return sorted({2 * key[1] + key[2] for key in profile._models})
 
 
 class WorkerLost(RuntimeError):
@@ -246,7 +191,7 @@ class CodecPool:
                 if self._closed:
                     return
                 try:
-                    self._run([(k, _warm_scale, k, self.workers, prof.id, scale) for k in range(self.workers)])
+                    self._run([(k, warm.scale_tables, k, self.workers, prof.id, scale) for k in range(self.workers)])
                 except BaseException:  # the pool closing, or its workers lost twice: warming is best effort
                     return
         self.grid_warm = True
@@ -385,19 +330,19 @@ class CodecPool:
             if prof.id in self._profile_ids:
                 return
             with self._lock:  # not while workers are replaced: they start with the paths as they are
-                paths, warm = self._initargs
-                self._initargs = (paths + (str(path),), warm)
-            warm = tuple(warm if warm_levels is None else warm_levels)
-            self._run([(k, _learn_profile, k, self.workers, str(path), warm) for k in range(self.workers)])
+                paths, at = self._initargs
+                self._initargs = (paths + (str(path),), at)
+            at = tuple(at if warm_levels is None else warm_levels)
+            self._run([(k, warm.learn_profile, k, self.workers, str(path), at) for k in range(self.workers)])
             self._profile_ids.add(prof.id)
 
     def table_steps(self, profile: Profile) -> list[list[tuple[int, float]]]:
         """Per worker, the (stream, step) pairs of `profile` it holds rANS tables for."""
-        return self._run([(k, _table_steps, profile.id) for k in range(self.workers)])
+        return self._run([(k, warm.table_steps, profile.id) for k in range(self.workers)])
 
     def streams_with_tables(self, profile: Profile) -> list[list[int]]:
         """Per worker, the streams of `profile` it has built entropy models for."""
-        return self._run([(k, _streams_with_tables, profile.id) for k in range(self.workers)])
+        return self._run([(k, warm.streams_with_tables, profile.id) for k in range(self.workers)])
 
     def decode(self, data: bytes | memoryview, profile: Profile | None = None) -> torch.Tensor:
         return self.decode_many([data], profile)[0]
