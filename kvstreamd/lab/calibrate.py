@@ -199,6 +199,23 @@ def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = T
     return out
 
 
+def _worst_kind(lm, by_kind: dict[str, list], coded: Callable[[str, int, torch.Tensor], tuple[torch.Tensor, int]]
+                ) -> tuple[float, str]:
+    """(the worst kind's mean KL, a line saying each kind's and the bits per element) of every
+    case coded as coded(kind, index, kv) -> (decoded KV, bytes) gives it."""
+    kl_of, bits = {}, []
+    for kind, kind_cases in by_kind.items():
+        kls = []
+        for i, (kv, cont, ref, _) in enumerate(kind_cases):
+            dec, nbytes = coded(kind, i, kv)
+            kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
+            bits.append(nbytes * 8 / kv.numel())
+        kl_of[kind] = float(np.mean(kls))
+    got = max(kl_of.values())
+    per_kind = "  ".join(f"{k} {v:.5f}" for k, v in kl_of.items())
+    return got, f"KL {got:.5f} (worst; {per_kind})  {np.mean(bits):.3f} bits/element"
+
+
 def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[str, float]:
     """For each level, the scale on the base steps whose KL meets its target on the worst kind
     of text: `cases` is kind -> cases (or one list of cases), and a scale's KL is the highest of
@@ -213,17 +230,8 @@ def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
         for _ in range(5):
             # Another name, so the scale under test is not overridden by the profile's table.
             lv = dataclasses.replace(LEVELS[name], name=f"{name}-tuning", scale=scale)
-            kl_of, bits = {}, []
-            for kind, kind_cases in by_kind.items():
-                kls = []
-                for kv, cont, ref, _ in kind_cases:
-                    dec, nbytes = chunked_roundtrip(kv, lv, profile)
-                    kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
-                    bits.append(nbytes * 8 / kv.numel())
-                kl_of[kind] = float(np.mean(kls))
-            got = max(kl_of.values())
-            per_kind = "  ".join(f"{k} {v:.5f}" for k, v in kl_of.items())
-            log(f"  {name:9s} scale {scale:6.3f}: KL {got:.5f} (worst; {per_kind})  {np.mean(bits):.3f} bits/element")
+            got, said = _worst_kind(lm, by_kind, lambda kind, i, kv: chunked_roundtrip(kv, lv, profile))
+            log(f"  {name:9s} scale {scale:6.3f}: {said}")
             kl_per_scale2 = got / scale ** 2
             tried.append((scale, got))
             if abs(math.log(got / target)) < 0.1:
@@ -251,17 +259,9 @@ def tune_targets(lm, profile, cases: dict[str, list], log: Callable[[str], None]
         target = goal / rate.DEFAULT_MARGIN
         tried = []
         for _ in range(4):
-            kl_of, bits = {}, []
-            for kind, kind_cases in cases.items():
-                kls = []
-                for (kv, cont, ref, _), cc in zip(kind_cases, costs[kind]):
-                    dec, nbytes = chunked_roundtrip(kv, name, profile, scales=rate.scales(name, profile, cc, target))
-                    kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
-                    bits.append(nbytes * 8 / kv.numel())
-                kl_of[kind] = float(np.mean(kls))
-            got = max(kl_of.values())
-            per_kind = "  ".join(f"{k} {v:.5f}" for k, v in kl_of.items())
-            log(f"  {name:9s} target {target:.5f}: KL {got:.5f} (worst; {per_kind})  {np.mean(bits):.3f} bits/element")
+            got, said = _worst_kind(lm, cases, lambda kind, i, kv: chunked_roundtrip(
+                kv, name, profile, scales=rate.scales(name, profile, costs[kind][i], target)))
+            log(f"  {name:9s} target {target:.5f}: {said}")
             tried.append((target, got))
             if abs(math.log(got / goal)) < 0.1:
                 break
