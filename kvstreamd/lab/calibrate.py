@@ -199,6 +199,33 @@ def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = T
     return out
 
 
+# How far past the coarsest point it tried a tuner may take a fitted answer: a fit is trusted
+# between the points it was fitted on, a little beyond, not far.
+FIT_REACH = 1.15
+
+
+def crossing(tried: list[tuple[float, float]], goal: float) -> float:
+    """Where KL meets `goal`, from every (x, KL) a tuner tried (x a scale or a target; KL grows
+    as a power of it): a least-squares line through the points in log-log, solved for the goal,
+    and held between the coarsest point that met the goal (within the tuners' tolerance, 10%)
+    and the finer of FIT_REACH x the coarsest point tried and the finest point that missed it. One point, or a curve that does not grow: the
+    coarsest point that met the goal, else the finest tried. Not the first point under the goal:
+    the secant steps land anywhere below it, and the curve says where it is crossed."""
+    met = [x for x, kl in tried if math.log(kl / goal) < 0.1]
+    missed = [x for x, kl in tried if math.log(kl / goal) >= 0.1]
+    fallback = max(met) if met else min(x for x, _ in tried)
+    xs = np.log([x for x, _ in tried])
+    ys = np.log([kl for _, kl in tried])
+    if len(tried) < 2 or np.ptp(xs) < 1e-9:
+        return fallback
+    slope, intercept = np.polyfit(xs, ys, 1)
+    if slope <= 0:
+        return fallback
+    fitted = math.exp((math.log(goal) - intercept) / slope)
+    ceiling = min([FIT_REACH * math.exp(xs.max()), *missed])  # never as coarse as a point that missed
+    return float(min(max(fitted, fallback if met else 0.0), ceiling))
+
+
 def _worst_kind(lm, by_kind: dict[str, list], coded: Callable[[str, int, torch.Tensor], tuple[torch.Tensor, int]]
                 ) -> tuple[float, str]:
     """(the worst kind's mean KL, a line saying each kind's and the bits per element) of every
@@ -219,7 +246,8 @@ def _worst_kind(lm, by_kind: dict[str, list], coded: Callable[[str, int, torch.T
 def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[str, float]:
     """For each level, the scale on the base steps whose KL meets its target on the worst kind
     of text: `cases` is kind -> cases (or one list of cases), and a scale's KL is the highest of
-    the kinds' mean KLs (KL grows about as scale^2, so a few secant steps in log space converge)."""
+    the kinds' mean KLs (KL grows about as scale^2, so a few secant steps in log space converge,
+    and the answer is where a line fitted through every point tried crosses the target)."""
     by_kind = cases if isinstance(cases, dict) else {"calibration": cases}
     scales = {}
     kl_per_scale2 = float(profile.meta["kl_budget"])  # KL at scale 1, as the base steps were set; then as measured
@@ -237,9 +265,7 @@ def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
             if abs(math.log(got / target)) < 0.1:
                 break
             scale *= math.sqrt(target / got) ** 0.8  # damped: the curve flattens at low rates
-        # The coarsest scale tried that met the target (within the tolerance), else the finest tried.
-        met = [sc for sc, kl in tried if math.log(kl / target) < 0.1]
-        scales[name] = round(max(met) if met else min(sc for sc, _ in tried), 4)
+        scales[name] = round(crossing(tried, target), 4)
     return scales
 
 
@@ -247,8 +273,8 @@ def tune_targets(lm, profile, cases: dict[str, list], log: Callable[[str], None]
     """The profile's rate control (codec.rate): for each level, the target its chunks' probes
     may reach such that coding every tuning context chunk by chunk (each chunk at the scale its
     own probes give it) meets the level's LEVEL_KL_TARGETS on the worst kind of text. The
-    continuation's KL grows about in proportion to the target, so a few secant steps converge;
-    every point tried is kept, and the answer is the highest target that met the goal."""
+    continuation's KL grows about in proportion to the target, so a few secant steps converge,
+    and the answer is where a line fitted through every point tried crosses the goal."""
     costs = {}
     for kind, kind_cases in cases.items():
         log(f"probing each chunk of the {kind} tuning contexts")
@@ -266,8 +292,7 @@ def tune_targets(lm, profile, cases: dict[str, list], log: Callable[[str], None]
             if abs(math.log(got / goal)) < 0.1:
                 break
             target *= (goal / got) ** 0.9
-        met = [t for t, kl in tried if math.log(kl / goal) < 0.1]
-        targets[name] = round(max(met) if met else min(t for t, _ in tried), 6)
+        targets[name] = round(crossing(tried, goal), 6)
     return {"targets": targets, "bounds": list(rate.DEFAULT_BOUNDS)}
 
 
