@@ -171,30 +171,36 @@ class CodecPool:
         self.restarts = 0  # times the workers were replaced
         self.last_loss: str | None = None  # how a worker last died
         self._lost: tuple[list[cf.ProcessPoolExecutor], str] | None = None  # the last broken executors, and why
-        self.grid_warm = False  # every grid scale's tables built (_warm_grid)
+        self.grid_warm: set[bytes] = set()  # the profiles whose grid scales' tables are built (warm_grid)
+        self._grid_started: set[bytes] = set()
+        self._grid_lock = threading.Lock()
         self._pool = self._start()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="codec-pool-watch")
         self._watcher.start()
-        self._warmer = threading.Thread(target=self._warm_grid, daemon=True, name="codec-pool-warm")
-        self._warmer.start()
 
-    def _warm_grid(self) -> None:
-        """In the background: each worker's share of the tables of every scale rate control may
-        give a chunk (codec.rate.grid_scales) of each tuned profile the workers know, nearest the
-        levels' own scales first, one job a worker at a time. A chunk at a scale not seen yet
-        then finds its tables built (0.36 s of one core for SmolLM2's 60 streams, in the middle
-        of a fetch otherwise), and a job arriving meanwhile waits behind one scale at most."""
-        known = {p.id: p for p in registry.current()}
-        known.update({p.id: p for p in map(Profile.load, self._initargs[0])})
-        for prof in known.values():
-            for scale in rate.grid_scales(prof):
-                if self._closed:
-                    return
-                try:
-                    self._run([(k, warm.scale_tables, k, self.workers, prof.id, scale) for k in range(self.workers)])
-                except BaseException:  # the pool closing, or its workers lost twice: warming is best effort
-                    return
-        self.grid_warm = True
+    def warm_grid(self, profile: Profile) -> None:
+        """Start building, in the background, each worker's share of the tables of every scale
+        rate control may give a chunk of `profile` (codec.rate.grid_scales; nothing for a profile
+        not tuned for it), nearest the levels' own scales first, one job a worker at a time. A
+        chunk at a scale its worker has not coded yet builds those tables in the middle of a
+        fetch (0.36 s of one core for SmolLM2's 60 streams); a job arriving meanwhile waits behind
+        one scale at most. Called as a fetch or a put with costs begins (kvstreamd.coder), so a
+        daemon that never codes per-chunk scales never spends the CPU; once per profile."""
+        with self._grid_lock:
+            if profile.id in self._grid_started or not rate.tuned(profile):
+                return
+            self._grid_started.add(profile.id)
+        threading.Thread(target=self._warm_grid, args=(profile,), daemon=True, name="codec-pool-warm").start()
+
+    def _warm_grid(self, profile: Profile) -> None:
+        for scale in rate.grid_scales(profile):
+            if self._closed:
+                return
+            try:
+                self._run([(k, warm.scale_tables, k, self.workers, profile.id, scale) for k in range(self.workers)])
+            except BaseException:  # the pool closing, or its workers lost twice: warming is best effort
+                return
+        self.grid_warm.add(profile.id)
 
     def _start(self) -> list[cf.ProcessPoolExecutor]:
         ctx = mp.get_context("spawn")

@@ -18,8 +18,9 @@ Each level then gives each chunk the coarsest scale s_c its target allows:
 
 whose solution is s_c = clip(sqrt(mu / end_c), lo, min(hi, sqrt(target / last_c))), mu set by
 bisection. The chunk nearest the end carries most of the KL (10x the first chunk's, at one
-scale), so early chunks go coarser, and a chunk of hard text (contracts, code) finer than one of
-prose. The chosen steps travel in each chunk's header, so decoding needs none of this.
+scale), so early chunks may go coarser, as far as a prompt ending right after them allows
+(on SmolLM2's test contexts that limit, not the whole context's, sets them); and a chunk of
+hard text (contracts, code) goes finer than one of prose. The chosen steps travel in each chunk's header, so decoding needs none of this.
 
 When even the finest scale cannot meet a target, every chunk takes its finest. A chunk put
 without costs (the vLLM connector, an older client), or coded with a profile that has no

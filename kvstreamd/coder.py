@@ -123,6 +123,11 @@ class Coder:
                 alpha = 0.5 if self._samples < 4 else 0.2
                 self._mbps = (1 - alpha) * self._mbps + alpha * (mb / seconds)
 
+    def warm_for(self, profile: Profile) -> None:
+        """A fetch or a put of per-chunk scales begins for `profile`: have the workers build the
+        tables of its rate control's scales in the background (CodecPool.warm_grid), once."""
+        self.pool.warm_grid(profile)
+
     def staged(self, shape: tuple[int, ...], dtype: torch.dtype):
         """A context giving a tensor to fill with a chunk, which encode() then codes at every
         level where it lies (CodecPool.staged)."""

@@ -125,6 +125,7 @@ class Puts:
         level's own; RequestError for costs that do not cover the request's chunks."""
         if costs is None:
             return {level: [None] * chunks for level in self.levels}
+        self.coder.warm_for(prof)
         if len(costs) < chunks:
             raise RequestError(400, "bad_chunk_costs", f"chunk_costs lists {len(costs)} chunks, the tokens "
                                                        f"make {chunks} of {self.chunk_tokens}")

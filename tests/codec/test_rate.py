@@ -116,7 +116,7 @@ def test_roundtrip_refuses_the_anchor_delta_levels(small_profile):
         codec.cachegen.roundtrip(synthetic_kv(64).half(), "cachegen-paper", small_profile)
 
 
-def test_a_pool_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_in_the_background(tuned, tmp_path):
+def test_a_pool_asked_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_in_the_background(tuned, tmp_path):
     """A chunk at a scale its workers have not coded before would build its tables in the middle
     of a fetch; the pool builds them ahead, each worker its share of the streams."""
     import time
@@ -128,10 +128,13 @@ def test_a_pool_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_in_the_
     lo, hi = min(scales), max(scales)
     assert len(scales) == len(set(scales)) > 10 and lo < tuned.meta.get("level_scales", {}).get("high", 1.0) < hi
     with CodecPool(2, profile_paths=(str(path),), warm_levels=()) as pool:
+        assert pool.table_steps(tuned) == [[], []]  # nothing until a fetch or a put of per-chunk scales asks
+        pool.warm_grid(tuned)
+        pool.warm_grid(tuned)  # once per profile
         deadline = time.monotonic() + 120
-        while not pool.grid_warm and time.monotonic() < deadline:
+        while tuned.id not in pool.grid_warm and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert pool.grid_warm
+        assert pool.grid_warm == {tuned.id}
         held = pool.table_steps(tuned)
         for k, run in enumerate(split(2 * tuned.layers, 2)):
             for scale in scales:
