@@ -25,8 +25,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from . import bitstream as bs, cachegen, decoder, levels, rate, registry
-from . import warm
+from . import bitstream as bs, cachegen, decoder, levels, rate, registry, warm
 from .warm import split
 from .segments import Arena, Destination, open_segment, worker_map
 from .errors import CodecError
@@ -198,7 +197,7 @@ class CodecPool:
                 return
             try:
                 self._run([(k, warm.scale_tables, k, self.workers, profile.id, scale) for k in range(self.workers)])
-            except BaseException:  # the pool closing, or its workers lost twice: warming is best effort
+            except Exception:  # the pool closing, or its workers lost twice: warming is best effort
                 return
         self.grid_warm.add(profile.id)
 

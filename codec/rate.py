@@ -20,7 +20,8 @@ whose solution is s_c = clip(sqrt(mu / end_c), lo, min(hi, sqrt(target / last_c)
 bisection. The chunk nearest the end carries most of the KL (10x the first chunk's, at one
 scale), so early chunks may go coarser, as far as a prompt ending right after them allows
 (on SmolLM2's test contexts that limit, not the whole context's, sets them); and a chunk of
-hard text (contracts, code) goes finer than one of prose. The chosen steps travel in each chunk's header, so decoding needs none of this.
+hard text (contracts, code) goes finer than one of prose. The chosen steps travel in each
+chunk's header, so decoding needs none of this.
 
 When even the finest scale cannot meet a target, every chunk takes its finest. A chunk put
 without costs (the vLLM connector, an older client), or coded with a profile that has no
@@ -110,7 +111,7 @@ def tuned(profile: Profile) -> bool:
 def grid_scales(profile: Profile) -> list[float]:
     """Every scale rate control may give a chunk of `profile` at any level of the ladder, the
     ones nearest a level's own scale first: what a codec worker builds tables for ahead of the
-    chunks (codec.parallel). None for a profile not tuned for it."""
+    chunks (codec.parallel); none for a profile not tuned for it."""
     if not tuned(profile):
         return []
     rc = settings(profile)

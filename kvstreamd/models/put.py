@@ -30,8 +30,8 @@ def put_context(lm: LoadedModel, client: Client, tokens: list[int], kv: torch.Te
     exact = None
     if kv is None:  # the prefill keeps the logits the probes compare with: a forward fewer for each
         rows = probe_rows(len(tokens), chunk_tokens) if probing else None
-        exact, kv = prefill(lm, tokens, all_logits=False, logits_at=rows)
-        exact = exact if probing else None
+        logits, kv = prefill(lm, tokens, all_logits=False, logits_at=rows)
+        exact = logits if probing else None
     t1 = time.perf_counter()
     kv = kv.to(dtype)
     costs = None

@@ -57,30 +57,32 @@ def chunk_costs(lm: LoadedModel, tokens: list[int], kv: torch.Tensor, chunk_toke
     if kv.shape[2] != n_tok:
         raise ValueError(f"KV holds {kv.shape[2]} tokens, the context {n_tok}")
     bounds, probe = _layout(n_tok, chunk_tokens)
-    if exact is not None and exact.shape[0] != len(probe_rows(n_tok, chunk_tokens)):
-        raise ValueError(f"exact logits for {exact.shape[0]} tokens, the probes read {len(probe_rows(n_tok, chunk_tokens))}")
+    rows = len(probe_rows(n_tok, chunk_tokens))
+    if exact is not None and exact.shape[0] != rows:
+        raise ValueError(f"exact logits for {exact.shape[0]} tokens, the probes read {rows}")
     coded = [roundtrip(kv[:, :, s:e], PROBE_LEVEL, profile, start=s, scale=PROBE_SCALE) for s, e in bounds]
 
-    def cost(cut: int, c: int, i: int) -> float:
-        """KL of tokens[cut:cut+probe] on kv[:cut] with chunk c's part of it coded; the probe's
-        exact logits are rows i*probe.. of `exact`."""
+    def cost(cut: int, c: int, ref: torch.Tensor | None) -> float:
+        """KL of tokens[cut:cut+probe] on kv[:cut] with chunk c's part of it coded, against
+        `ref` (those tokens' logits on the exact KV; run here when None)."""
         ids = tokens[cut:cut + probe]
-        ref = (continuation_logits(lm, kv[:, :, :cut], ids) if exact is None
-               else exact[i * probe:(i + 1) * probe])
+        if ref is None:
+            ref = continuation_logits(lm, kv[:, :, :cut], ids)
         mixed = kv[:, :, :cut].clone()
         s, e = bounds[c]
         mixed[:, :, s:min(e, cut)] = coded[c][:, :, :min(e, cut) - s]
         return kl(ref, continuation_logits(lm, mixed, ids)) / PROBE_SCALE ** 2
 
+    def exact_at(i: int) -> torch.Tensor | None:
+        """The exact logits of probe i (the i-th run of probe_rows), when the caller gave them."""
+        return None if exact is None else exact[i * probe:(i + 1) * probe]
+
     n = len(bounds)
     end_cut = n_tok - probe
     # the one reference every end probe shares
-    shared = continuation_logits(lm, kv[:, :, :end_cut], tokens[end_cut:]) if exact is None else exact[(n - 1) * probe:]
+    shared = exact_at(n - 1) if exact is not None else continuation_logits(lm, kv[:, :, :end_cut], tokens[end_cut:])
     out = []
-    for c, (s, e) in enumerate(bounds):
-        mixed = kv[:, :, :end_cut].clone()
-        mixed[:, :, s:min(e, end_cut)] = coded[c][:, :, :min(e, end_cut) - s]
-        end = kl(shared, continuation_logits(lm, mixed, tokens[end_cut:])) / PROBE_SCALE ** 2
-        last = end if c == n - 1 else cost(e, c, c)
-        out.append(ChunkCost(end, last))
+    for c, (_, e) in enumerate(bounds):
+        end = cost(end_cut, c, shared)
+        out.append(ChunkCost(end, end if c == n - 1 else cost(e, c, exact_at(c))))
     return out

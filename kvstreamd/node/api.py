@@ -226,10 +226,11 @@ def _dtype(body: dict) -> str:
     return dtype
 
 
-def _chunk_costs(body: dict, tokens: list[int]) -> list[ChunkCost] | None:
+def _chunk_costs(body: dict) -> list[ChunkCost] | None:
     """Optional "chunk_costs": [[end, last], ...], what coding each chunk of the whole context
     costs the model (codec.rate), from the first chunk on; a context put piece by piece sends
-    them all with every piece, so the list may run past `tokens`."""
+    them all with every piece, so the list may run past the request's tokens (the node checks
+    that it covers them)."""
     raw = _field(body, "chunk_costs", list, None)
     if raw is None:
         return None
@@ -332,7 +333,7 @@ async def put(request: web.Request) -> web.Response:
     name, shape = _field(body, "buffer", str), _shape(body)
     start = _number(body, "start", int, 0, MAX_TOKENS) or 0
     pin = _field(body, "pin", bool, False)
-    costs = _chunk_costs(body, tokens)
+    costs = _chunk_costs(body)
     return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start, pin, costs))
 
 
