@@ -23,9 +23,15 @@ class FetchSender:
 
     A deadline that passes is recorded, not ignored: the stream goes on at whatever the rule
     says once the deadline is lost, and `deadline_missed` reports it for the END message.
-    The deadline counts until the receiver has acknowledged every chunk. With `text_last`
-    (the receiver holds a KV prefix, then computes: vLLM), once a chunk goes as TEXT every
-    later one does too, and the rule plans TEXT after every KV chunk."""
+    The deadline counts until the receiver has acknowledged every chunk.
+
+    TEXT comes as a head, a tail, or both, never between KV chunks: a head of TEXT the receiver
+    prefills from its tokens while the KV after it streams in (the plan prices the two side by
+    side), and once a KV chunk has gone, TEXT only as a tail -- the receiver computes it on top
+    of every chunk before it, so after they have all arrived, and the rule plans it so. Once a
+    chunk goes as TEXT after a KV chunk, every later one does too. With `text_last` (the
+    receiver holds a KV prefix, then computes: vLLM) there is no head: TEXT is a tail from the
+    first chunk on."""
 
     def __init__(self, req: int, chunks: int, sizes: Mapping[str, Sequence[int]], deadline_ms: float,
                  now: float, rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
@@ -78,15 +84,17 @@ class FetchSender:
                                "probe the link before the first chunk (needs_probe)")
         self.deadline_missed(now)
         i = len(self.levels)
-        if self.text_last and self.levels and self.levels[-1] == TEXT:
-            return self._hand_out(i, Choice(TEXT, 0.0, "text_last: after a TEXT chunk, the rest as TEXT"))
+        # past the head: TEXT is a tail, computed after every chunk before it has arrived
+        text_last = self.text_last or any(lv != TEXT for lv in self.levels)
+        if text_last and self.levels and self.levels[-1] == TEXT:
+            return self._hand_out(i, Choice(TEXT, 0.0, "a TEXT tail: after a TEXT chunk, the rest as TEXT"))
         situation = Situation(
             bandwidth=estimate, sizes={lv: s[i:] for lv, s in self.sizes.items()},
             work_s=self.work_s, dppl=self.dppl, deadline_s=self.deadline_at - now,
             # Chunks in flight still have their decode ahead of them at the receiver.
             backlog_s=max(0.0, self._receiver_free - now)
             + sum(self.work_s[c.level] for c in self._inflight.values()),
-            inflight_bytes=sum(c.bytes for c in self._inflight.values()), text_last=self.text_last)
+            inflight_bytes=sum(c.bytes for c in self._inflight.values()), text_last=text_last)
         choice = self.rule(situation)
         if choice.level not in self.sizes:
             raise ValueError(f"request {self.req}: the rule chose {choice.level!r}, "

@@ -9,9 +9,18 @@ their window of the prefix only, as its own cache holds them).
 
 It asks the local daemon for the prompt's longest cached prefix, lets the daemon stream it into
 shared memory, recomputes TEXT chunks on top of the chunks before them, and hands the cache to
-`model.generate`, which prefills only the rest of the prompt."""
+`model.generate`, which prefills only the rest of the prompt.
+
+TEXT chunks are recomputed while the rest streams in, not after it (`_Recompute`): where the
+sender's plan gives the prompt's head as TEXT and its tail as KV (a slow link, where computing
+the head here beats waiting for its bytes), this process prefills the head from its tokens while
+the tail's KV arrives. The tail's KV needs nothing from this side -- the sender computed it on
+the whole prefix -- so the two join exactly: the head bit for bit as a prefill here would make
+it, the tail up to its level's coding error."""
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -34,10 +43,12 @@ class Reuse:
     found_tokens: int = 0  # the prefix held somewhere (KV or TEXT chunks)
     kv_tokens: int = 0  # of which arrived as KV
     text_tokens: int = 0  # of which this process recomputed (TEXT chunks)
+    text_ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each, in prompt order
     events: list[ChunkEvent] = field(default_factory=list)
     end: End | None = None  # the daemon's end event (timings, levels, bytes, errors)
     fetch_s: float = 0.0  # from the request to the last chunk in the buffer
-    recompute_s: float = 0.0  # TEXT chunks, run here
+    recompute_s: float = 0.0  # TEXT chunks, run here (while the fetch streams the rest)
+    recompute_after_s: float = 0.0  # of it, the seconds after the fetch's last chunk: what the stream did not hide
     ttft_s: float | None = None  # prompt in -> first generated token (set by generate)
     kv: PrefixKV | None = None  # the prefix KV used, when generate(keep_kv=True)
     cache_s: float = 0.0  # building the model's cache from the fetched KV
@@ -53,68 +64,125 @@ class Reuse:
         return sum(e.bytes for e in self.events if e.source not in ("local", "fallback"))
 
 
+class _Recompute:
+    """TEXT chunks recomputed in prompt order on a thread of their own, while the fetch goes on
+    (torch releases the GIL in its kernels, so the model runs beside the event loop's copying).
+    Each chunk runs on top of every token before it: consecutive TEXT chunks extend one running
+    cache, as a prefill in blocks would (bit for bit the same KV); a TEXT chunk after KV chunks
+    starts a cache from what `kv` holds before it, which the fetch has filled by then (its events
+    come in prompt order, and each KV chunk is copied before the next event is read)."""
+
+    def __init__(self, model, prompt: list[int], kv: PrefixKV, dtype: torch.dtype) -> None:
+        self.model, self.prompt, self.kv, self.dtype = model, prompt, kv, dtype
+        self.error: str | None = None  # why the recompute gave up (the prompt is then prefilled whole)
+        self.busy_s = 0.0
+        self.ranges: list[tuple[int, int]] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvstreamd-recompute", daemon=True)
+        self._thread.start()
+
+    def add(self, start: int, end: int) -> None:
+        self._queue.put((start, end))
+
+    def finish(self, cancel: bool = False) -> None:
+        """Wait for every chunk added (or, with `cancel`, only the one running) to be done."""
+        self._stop = cancel
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        cache, at = None, -1  # the running cache, and the token it ends at
+        with torch.no_grad():  # grad mode is per thread
+            while (item := self._queue.get()) is not None:
+                if self._stop or self.error is not None:
+                    continue
+                start, end = item
+                t0 = time.perf_counter()
+                try:
+                    if at != start:
+                        cache = empty_cache(self.model.config) if start == 0 else \
+                            cache_from_kv(self.kv.prefix(start), self.dtype, self.model.config)
+                except ValueError as e:
+                    # A hybrid model's sliding layers were fetched for the prefix's last window only:
+                    # a TEXT chunk after KV chunks and before that window cannot run on them.
+                    self.error = f"chunk at {start} came as text outside the sliding window ({e})"
+                    continue
+                try:
+                    _, new = run(self.model, torch.tensor(self.prompt[start:end]), cache, all_logits=False,
+                                 keep_kv=True)
+                except Exception as e:  # noqa: BLE001 -- said in reuse.errors; the prompt is then prefilled whole
+                    self.error = f"recomputing the chunk at {start} failed ({type(e).__name__}: {e})"
+                    continue
+                at = end
+                for part in self.kv.parts:  # new holds every layer of the chunk; each part takes its layers' tokens
+                    if part.start < end:
+                        lo = max(start, part.start)
+                        part.kv[:, :, lo - part.start:end - part.start] = new[list(part.layers), :, lo - start:]
+                self.ranges.append((start, end))
+                self.busy_s += time.perf_counter() - t0
+
+
 @torch.no_grad()
 def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadline_ms: int | None = None,
               levels: list[str] | None = None, recompute_tokens_per_s: float | None = None,
               on_chunk: Callable[[ChunkEvent], None] | None = None) -> tuple[PrefixKV | None, Reuse]:
     """The KV (the model's dtype; codec.layout.PrefixKV, `.dense()` is `[L, 2, n, H, D]` for a
     model whose layers all hold every token) of the prompt's longest prefix the cluster holds,
-    TEXT chunks recomputed here, and what it took; (None, reuse) when nothing was found."""
+    TEXT chunks recomputed here as they come (while the rest streams), and what it took;
+    (None, reuse) when nothing was found."""
     reuse = Reuse(len(prompt))
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
     t0 = time.perf_counter()
+    recompute: _Recompute | None = None
     # A model on a GPU asks for the KV in device memory (the daemon decodes it on its GPU and
     # hands it over by CUDA IPC, or says why not and uses shared memory).
-    with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=recompute_tokens_per_s,
-                      device="cuda" if device.type == "cuda" else "cpu") as f:
-        # A copy, always (even in the same dtype and device): the buffer is released on exit. Laid
-        # out heads-first, as the model's cache holds it, so that generate() need not copy it again;
-        # each chunk is copied out as it lands, while the next ones stream in.
-        src = f.prefix
-        kv = src.empty_heads_first(device=device, dtype=dtype) if src is not None else None
-        copied = np.zeros(src.tokens if src is not None else 0, bool)
-        for ev in f:
-            reuse.events.append(ev)
-            if kv is not None and ev.kind == "kv":
-                kv.copy_tokens_(src, ev.start, ev.end)
-                copied[ev.start:ev.end] = True
-            if on_chunk is not None:
-                on_chunk(ev)
-        reuse.end = f.end
-        reuse.found_tokens = f.found_tokens
-        if kv is not None:  # what no KV chunk brought (TEXT chunks, recomputed below) is the buffer's, as it stands
-            for start, end in _runs(~copied):
-                kv.copy_tokens_(src, start, end)
-        del src
+    try:
+        with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=recompute_tokens_per_s,
+                          device="cuda" if device.type == "cuda" else "cpu") as f:
+            # A copy, always (even in the same dtype and device): the buffer is released on exit. Laid
+            # out heads-first, as the model's cache holds it, so that generate() need not copy it again;
+            # each chunk is copied out as it lands, while the next ones stream in.
+            src = f.prefix
+            kv = src.empty_heads_first(device=device, dtype=dtype) if src is not None else None
+            copied = np.zeros(src.tokens if src is not None else 0, bool)  # KV chunks, and TEXT ones (recompute's)
+            for ev in f:
+                reuse.events.append(ev)
+                if kv is not None and ev.kind == "kv":
+                    kv.copy_tokens_(src, ev.start, ev.end)
+                    copied[ev.start:ev.end] = True
+                elif kv is not None and ev.kind == "text":
+                    if recompute is None:
+                        recompute = _Recompute(model, prompt, kv, dtype)
+                    recompute.add(ev.start, ev.end)
+                    copied[ev.start:ev.end] = True
+                if on_chunk is not None:
+                    on_chunk(ev)
+            reuse.end = f.end
+            reuse.found_tokens = f.found_tokens
+            if kv is not None:  # what no chunk brought is the buffer's, as it stands
+                for start, end in _runs(~copied):
+                    kv.copy_tokens_(src, start, end)
+            del src
+    except BaseException:
+        if recompute is not None:
+            recompute.finish(cancel=True)
+        raise
     reuse.fetch_s = time.perf_counter() - t0
+    if recompute is not None:
+        t1 = time.perf_counter()
+        recompute.finish()
+        reuse.recompute_after_s = time.perf_counter() - t1
+        reuse.recompute_s = recompute.busy_s
+        reuse.text_ranges = recompute.ranges
+        reuse.text_tokens = sum(e - s for s, e in recompute.ranges)
+        if recompute.error is not None:
+            reuse.errors.append(f"{recompute.error}: the prompt is prefilled whole")
+            reuse.found_tokens = reuse.kv_tokens = reuse.text_tokens = 0
+            return None, reuse
     if kv is None:
         return None, reuse
-    t1 = time.perf_counter()
-    for ev in reuse.events:  # in prompt order: each TEXT chunk runs on top of every chunk before it
-        if ev.kind != "text":
-            continue
-        if ev.start == 0:
-            before = None
-        else:
-            try:
-                before = kv.prefix(ev.start)
-            except ValueError as e:
-                # A hybrid model's sliding layers were fetched for the prefix's last window only:
-                # a TEXT chunk before it cannot run on them. The whole prompt is prefilled here.
-                reuse.errors.append(f"chunk at {ev.start} came as text outside the sliding window ({e}): "
-                                    "the prompt is prefilled whole")
-                reuse.recompute_s = time.perf_counter() - t1
-                reuse.found_tokens = reuse.kv_tokens = reuse.text_tokens = 0
-                return None, reuse
-        cache = cache_from_kv(before, dtype, model.config) if before is not None else empty_cache(model.config)
-        _, new = run(model, torch.tensor(prompt[ev.start:ev.end]), cache, all_logits=False, keep_kv=True)
-        for part in kv.parts:  # new holds every layer of the chunk; each part takes its layers' tokens
-            if part.start < ev.end:
-                lo = max(ev.start, part.start)
-                part.kv[:, :, lo - part.start:ev.end - part.start] = new[list(part.layers), :, lo - ev.start:]
-        reuse.text_tokens += ev.end - ev.start
-    reuse.recompute_s = time.perf_counter() - t1
     reuse.kv_tokens = reuse.found_tokens - reuse.text_tokens
     return kv, reuse
 

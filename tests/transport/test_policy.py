@@ -322,17 +322,27 @@ def test_an_ack_for_a_chunk_not_in_flight_is_an_error():
         s.on_ack(3, 1000, 0.0, 0.2)
 
 
-def test_with_text_last_every_chunk_after_a_text_chunk_goes_as_text():
-    wanted = ["high", TEXT, "high", "fast"]  # what a rule asks for, chunk by chunk
+def test_text_is_a_head_or_a_tail_never_between_kv_chunks():
+    # TEXT before any KV chunk is a head (the receiver prefills it while the rest streams);
+    # after a KV chunk, TEXT is a tail: every later chunk goes as TEXT too. With text_last
+    # (a receiver that holds a KV prefix, then computes) there is no head.
+    wanted = [TEXT, TEXT, "high", TEXT, "high"]  # what a rule asks for, chunk by chunk
     est = BandwidthEstimator()
     est.add(1_000_000, 0.0, 1_000_000 / mbit(100))
-    sizes, work = traces.smollm2_chunks(4)
-    loose = FetchSender(7, 4, sizes, 5000, 0.0, fixed(wanted), est, work, DPPL)
-    strict = FetchSender(8, 4, sizes, 5000, 0.0, fixed(wanted), est, work, DPPL, text_last=True)
+    sizes, work = traces.smollm2_chunks(5)
+    seen = []
+
+    def rule(sit):
+        seen.append(sit.text_last)
+        return fixed(wanted)(sit)
+
+    loose = FetchSender(7, 5, sizes, 5000, 0.0, rule, est, work, DPPL)
+    strict = FetchSender(8, 5, sizes, 5000, 0.0, fixed(wanted), est, work, DPPL, text_last=True)
     run(loose, 0.0, mbit(100))
     run(strict, 0.0, mbit(100))
-    assert loose.levels == wanted
-    assert strict.levels == ["high", TEXT, TEXT, TEXT]
+    assert loose.levels == [TEXT, TEXT, "high", TEXT, TEXT]
+    assert seen == [False, False, False, True]  # the rule plans TEXT as a tail once KV has gone
+    assert strict.levels == [TEXT] * 5
 
 
 def test_sender_will_not_guess_the_link_before_a_probe():
@@ -416,17 +426,17 @@ async def test_send_chunks_probes_a_new_link_then_sends_every_chunk_in_order_and
     before, after = [], []
     done = await send_chunks(
         served, sizes, lambda i, lv: bytes([i]) * sizes[lv][i], lambda i: [i] * 1024,
-        fixed(["high", TEXT, "high", TEXT]), est, work, {"high": 0.0, TEXT: 0.0},
+        fixed([TEXT, "high", "high", TEXT]), est, work, {"high": 0.0, TEXT: 0.0},
         on_sent=lambda i, lv, n: after.append((i, lv, n)), before_send=lambda i, lv: before.append((i, lv)))
     assert served.peer.probes == [Probe().size]  # no history: probed first
-    assert [(i, lv) for i, lv, _ in served.written] == [(0, "high"), (1, TEXT), (2, "high"), (3, TEXT)]
-    assert served.written[0][2] == bytes([0]) * 300_000 and served.written[1][2] == [1] * 1024
+    assert [(i, lv) for i, lv, _ in served.written] == [(0, TEXT), (1, "high"), (2, "high"), (3, TEXT)]
+    assert served.written[0][2] == [0] * 1024 and served.written[1][2] == bytes([1]) * 300_000
     assert before == [(i, lv) for i, lv, _ in served.written] == [(i, lv) for i, lv, _ in after]
     assert done.coded_bytes == 2 * 300_040  # TEXT frames are not counted
     # send-to-ACK time: the link's share, plus what the loop's clock saw pass while writing
     assert done.busy_s == pytest.approx(2 * 300_040 / mbit(100) + 2 * 3092 / mbit(100), abs=0.01)
     assert served.ended == [False] and not done.deadline_missed
-    assert done.sender.levels == ["high", TEXT, "high", TEXT] and len(est.samples) == 3  # probe + 2 CHUNKs
+    assert done.sender.levels == [TEXT, "high", "high", TEXT] and len(est.samples) == 3  # probe + 2 CHUNKs
 
 
 async def test_send_chunks_keeps_the_next_chunk_on_the_wire_while_the_last_is_acknowledged():
