@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Coroutine
 from . import frames, tls as _tls
 from .calls import (ConnectionClosedError, FetchCall, FetchCancelled, FetchError, FetchFailed,
                     FetchInterrupted, FetchStalled, FetchTimedOut, HandshakeError, ServedFetch,
-                    TransportError, grace_s)
+                    TransportError, grace_s, wait_s)
 from .events import (AckReceived, CancelReceived, ChunkReceived, ConnectionClosed, EndReceived,
                      ErrorReceived, FetchReceived, HandshakeComplete, MessageReceived)
 from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, NORMAL, NOT_FOUND, WRITE_STALLED, Cancel, Chunk,
@@ -31,7 +31,7 @@ __all__ = ["PeerConnection", "Server", "serve", "connect", "run", "loop_factory"
            "OnConnect", "FetchCall", "ServedFetch", "TransportError", "HandshakeError",
            "ConnectionClosedError", "FetchError", "FetchFailed", "FetchCancelled",
            "FetchInterrupted", "FetchStalled", "FetchTimedOut", "DEFAULT_HANDSHAKE_TIMEOUT",
-           "DEFAULT_MAX_BUFFERED_BYTES", "DEFAULT_WRITE_STALL_S", "MAX_INBOX_BYTES", "grace_s"]
+           "DEFAULT_MAX_BUFFERED_BYTES", "DEFAULT_WRITE_STALL_S", "MAX_INBOX_BYTES", "grace_s", "wait_s"]
 
 log = logging.getLogger("kvstreamd.transport")
 
@@ -189,16 +189,19 @@ class PeerConnection(asyncio.Protocol):
     def fetch(self, keys: list[bytes], deadline_ms: int, levels: list[str],
               decode_mbps: float | None = None, recompute_tps: float | None = None, *,
               stall_s: float | None = None, limit_s: float | None = None,
-              prefix_tokens: int | None = None, rule: str | None = None, text_last: bool = False) -> FetchCall:
+              prefix_tokens: int | None = None, rule: str | None = None, text_last: bool = False,
+              wait_ms: int | None = None) -> FetchCall:
         """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives).
         With `stall_s` the iterator gives up (FetchStalled) on a peer silent that long, with
-        `limit_s` (FetchTimedOut) that many seconds from now; both send CANCEL (FetchCall)."""
+        `limit_s` (FetchTimedOut) that many seconds from now; both send CANCEL (FetchCall).
+        `wait_ms`: how long past the FETCH's arrival the fetcher takes chunks, where longer than
+        the deadline (Fetch.wait_ms)."""
         self._check_open()
         req = self.conn.next_request_id()
         call = FetchCall(self, req, self._taken, stall_s=stall_s, limit_s=limit_s)
         self._calls[req] = call
         self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps, recompute_tps, prefix_tokens,
-                             rule, text_last or None),
+                             rule, text_last or None, wait_ms),
                        self._loop.time())
         self._flush()
         return call

@@ -11,7 +11,7 @@ from .messages import Ack, Chunk, End, Error, Fetch, Message, Text
 
 __all__ = ["TransportError", "HandshakeError", "ConnectionClosedError", "FetchError", "FetchFailed",
            "FetchCancelled", "FetchInterrupted", "FetchStalled", "FetchTimedOut", "FetchCall", "ServedFetch",
-           "grace_s", "GRACE_MIN_S", "GRACE_SHARE"]
+           "grace_s", "wait_s", "GRACE_MIN_S", "GRACE_SHARE"]
 
 # How long past its deadline either side of a request goes on with it at most: a fetcher ends
 # its fetch by then whatever its peers do, and a sender stops serving a fetcher gone silent.
@@ -22,6 +22,14 @@ GRACE_SHARE = 0.10
 def grace_s(deadline_ms: float) -> float:
     """max(GRACE_MIN_S, GRACE_SHARE * deadline): seconds a request may run past its deadline."""
     return max(GRACE_MIN_S, GRACE_SHARE * deadline_ms / 1000)
+
+
+def wait_s(deadline_ms: float, recompute_s: float) -> float:
+    """How long a fetcher waits for chunks from peers (grace aside): until its deadline, or, where
+    recomputing those chunks itself would take longer (a deadline already lost on a slow link),
+    until then -- chunks arriving sooner than they could be recomputed are still worth taking,
+    and past that no chunk is (the senders plan TEXT themselves where the link is slower)."""
+    return max(deadline_ms / 1000, recompute_s)
 
 # The codes of the two endings this side gives a fetch itself (it also sends CANCEL for both).
 STALLED = "stalled"
@@ -235,9 +243,10 @@ class ServedFetch:
         self.req = fetch.req
         self.started = now  # loop time the FETCH arrived; the deadline counts from here
         self.deadline = now + fetch.deadline_ms / 1000.0  # loop time
-        # loop time after which the fetcher cannot want what is still unsent (grace_s): a handler
-        # stops there, even when the fetcher went silent and sends no ACK
-        self.give_up_at = self.deadline + grace_s(fetch.deadline_ms)
+        # loop time after which the fetcher cannot want what is still unsent (its wait, at least
+        # the deadline, plus grace_s): a handler stops there, even when the fetcher went silent
+        # and sends no ACK
+        self.give_up_at = now + max(fetch.deadline_ms, fetch.wait_ms or 0) / 1000.0 + grace_s(fetch.deadline_ms)
         self.acks: asyncio.Queue[tuple[Ack, float]] = asyncio.Queue()  # (ACK, loop time it arrived)
         self.cancelled = False  # the peer sent CANCEL
         self.ended = False  # END or a request ERROR was sent

@@ -105,8 +105,14 @@ class Fetch(Message):
     # ERROR bad_message. None: the sender's own (kvstreamd: "adaptive")
     rule: str | None = None
     # TEXT only after every chunk sent as KV: the fetcher holds a KV prefix and then computes the
-    # rest (a serving engine such as vLLM, which cannot load KV after a hole). None/False: any order
+    # rest (a serving engine such as vLLM, which cannot load KV after a hole). None/False: a TEXT
+    # head (the fetcher computes it while the rest streams), then KV, then maybe a TEXT tail
     text_last: bool | None = None
+    # how long the fetcher waits for the chunks, from when the FETCH is received, where that is
+    # longer than deadline_ms: a deadline already lost still leaves chunks worth taking until
+    # recomputing them would have been as quick (transport.calls.wait_s). The sender plans for
+    # deadline_ms and gives up at this plus grace. None: deadline_ms
+    wait_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -361,7 +367,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
             "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
             "recompute_tps": _optional_positive_float, "prefix_tokens": _optional_uint,
-            "rule": _optional_str, "text_last": _optional_bool},
+            "rule": _optional_str, "text_last": _optional_bool, "wait_ms": _optional_uint},
     Chunk: {"req": _uint, "i": _uint, "level": _str, "payload": _bytes, "crc": _uint32, "key": _optional_key},
     Text: {"req": _uint, "i": _uint, "tokens": lambda v: _list(v, _uint)},
     Ack: {"req": _uint, "i": _uint, "recv_bytes": _uint},
@@ -372,7 +378,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Pong: {"time": _float, "wall": _optional_float},
 }
 _OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Fetch, "rule"),
-             (Fetch, "text_last"), (Chunk, "key"),
+             (Fetch, "text_last"), (Fetch, "wait_ms"), (Chunk, "key"),
              (Error, "req"), (Advertise, "levels"),
              (Ping, "pad"), (Pong, "wall")}  # may be absent on the wire (= nil)
 

@@ -164,9 +164,10 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
          to `stress` x the planning bandwidth (int8's extra bytes are exposure to a drop).
       2. None fits, but one would at `optimism` x the smoothed bandwidth: the deadline can
          still be met if the link speeds up, so the fastest plan (least Δppl among equals).
-      3. Not even then: the deadline is lost and lower quality cannot save it, so the least
-         mean Δppl, and among equals the fastest -- a late but lossless finish, as with
-         CacheGen's TEXT fallback, but by the quickest lossless way."""
+      3. Not even then: the deadline is lost and lower quality cannot save it, so the fastest
+         of the plans within `near` Δppl points of the least -- a late but lossless finish, as
+         with CacheGen's TEXT fallback, but by the quickest lossless way (a plan all TEXT, at
+         Δppl 0, is not worth seconds over one a noise-level 0.1 point from it)."""
     levels = list(s.sizes)
     n = s.chunks
     groups = min(n, horizon)
@@ -183,7 +184,8 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
     elif (_finish(s, counts, s.bandwidth * optimism)[0] <= s.deadline_s).any():
         fits[:], keys, verdict = True, (quality, done), "behind, fastest plan"
     else:
-        fits[:], keys, verdict = True, (done, quality), "deadline lost, best quality"
+        fits = quality <= quality.min() + near
+        keys, verdict = (quality, done), "deadline lost, best quality"
     candidates = np.flatnonzero(fits)
     best = candidates[np.lexsort(tuple(k[candidates] for k in keys))[0]]
     used = [j for j in order if counts[best, j] > 0]

@@ -110,8 +110,9 @@ class Serving:
         est = estimator.estimate()
         if est and busy > 0:
             self.metrics.link_utilisation.labels(peer).set(min(sent / busy / est, 1.0))
-        log.info("served %d chunks to %s in %.3f s (rule %s): levels %s", len(recs), peer, loop.time() - t0,
-                 fetch.rule or DEFAULT_RULE, ",".join(c.level for c in sender.choices))
+        log.info("served %d chunks to %s in %.3f s (rule %s): levels %s; the first chunk's plan: %s", len(recs), peer,
+                 loop.time() - t0, fetch.rule or DEFAULT_RULE, ",".join(c.level for c in sender.choices),
+                 sender.choices[0].reason if sender.choices else "none")
 
     async def _send(self, served: aio.ServedFetch, fetch: Fetch, recs, peer: str, loop, release):
         """Send the chunks, each at the level the FETCH's rule (default: the adaptive rule)

@@ -7,9 +7,12 @@ client in order. Each chunk that lands becomes an event for the client: KV ready
 token positions, or TEXT the model must recompute. A peer that fails mid-stream costs only its
 remaining chunks: they come from another peer holding them, or as TEXT.
 
-Whatever the peers do, a fetch ends within its deadline plus grace_s(deadline): peers are
-waited for until the deadline plus half the grace, the other half is for what was received to
-decode and fill. A peer that delivers no whole chunk for `stall_s` while it is waited for has
+Whatever the peers do, a fetch ends within its wait plus grace_s(deadline): its deadline, or,
+where recomputing the chunks it takes from peers would take longer than the deadline allows
+(a slow link: the deadline is lost from the start), that long (aio.wait_s: a chunk that arrives
+sooner than it could be recomputed is still worth waiting for). Peers are waited for until the
+wait plus half the grace (the FETCH tells them, Fetch.wait_ms), the other half is for what was
+received to decode and fill. A peer that delivers no whole chunk for `stall_s` while it is waited for has
 stalled (progress is chunks, not bytes: PINGs or a trickled frame do not count): its FETCH is
 cancelled on the wire, its chunks come from another holder (while time is left) or as TEXT,
 and the directory leaves it out of lookups for a cooldown. Before that, a holder with nothing
@@ -56,7 +59,7 @@ log = logging.getLogger("kvstreamd.pipeline")
 QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
 DECODE_DEPTH = 2  # chunks decoding at once
 
-grace_s = aio.grace_s  # a fetch ends within its deadline + max(1 s, 10% of it), whatever its peers do
+grace_s = aio.grace_s  # a fetch ends within its wait + max(1 s, 10% of the deadline), whatever its peers do
 
 
 @dataclass
@@ -189,9 +192,17 @@ class FetchJob:
         return int(self.options.deadline_ms - (time.monotonic() - self._t0) * 1000)
 
     @property
+    def wait_s(self) -> float:
+        """Seconds from the request's arrival that peers' chunks are waited for (grace aside):
+        the deadline, or as long as recomputing what the peers are to send would take here."""
+        p = self.plan
+        from_peers = p.found_tokens - (p.bounds[p.local - 1][1] if p.local else 0)
+        return aio.wait_s(self.options.deadline_ms, from_peers / self.options.recompute_tokens_per_s)
+
+    @property
     def peers_until(self) -> float:
-        """time.monotonic() after which no peer is waited for: the deadline plus half the grace."""
-        return self._t0 + self.options.deadline_ms / 1000 + grace_s(self.options.deadline_ms) / 2
+        """time.monotonic() after which no peer is waited for: the wait plus half the grace."""
+        return self._t0 + self.wait_s + grace_s(self.options.deadline_ms) / 2
 
     async def run(self, emit: Callable[[events.Event], Awaitable[None]]) -> FetchResult:
         received: asyncio.Queue[_Item | None] = asyncio.Queue(QUEUE_DEPTH)
@@ -269,7 +280,9 @@ class FetchJob:
         late = None  # why the chunks left come as TEXT: the time for peers ran out
         if missing and time.monotonic() >= self.peers_until:
             ms = self.options.deadline_ms
-            late = f"not received within the deadline ({ms} ms) + {grace_s(ms) / 2:g} s"
+            wait = f"the deadline ({ms} ms)" if self.wait_s * 1000 <= ms else \
+                f"the time recomputing them takes ({self.wait_s:.1f} s, past the deadline of {ms} ms)"
+            late = f"not received within {wait} + {grace_s(ms) / 2:g} s"
             self.result.errors.append(f"chunks {chunk_ranges(missing)} {late}: recompute them")
             self.result.deadline_missed = True
         for j in missing:
@@ -398,6 +411,7 @@ class FetchJob:
                             recompute_tps=self.options.recompute_tokens_per_s,
                             stall_s=self._stall_s(peer, share), limit_s=max(left, 0.001),
                             prefix_tokens=self._prefix_tokens, rule=self.options.rule,
+                            wait_ms=max(int((self._t0 + self.wait_s - time.monotonic()) * 1000), 1),
                             text_last=self.options.text_last)
         nbytes, sent = 0, 0  # positions of `share` received
         at = lambda: share[min(sent, len(share) - 1)]  # noqa: E731  the chunk it was to send next
@@ -453,7 +467,7 @@ class FetchJob:
             return False
         except aio.FetchTimedOut:
             # still sending, only too slowly for this fetch: not marked; its chunks come as text
-            log.info("peer %s: chunk %d not in by the deadline + grace; the rest comes as text", peer, at())
+            log.info("peer %s: chunk %d not in by the fetch's wait + grace; the rest comes as text", peer, at())
             return False
         except aio.FetchFailed as e:
             if e.code != NOT_FOUND:

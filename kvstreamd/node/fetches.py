@@ -109,7 +109,7 @@ class Fetches:
         """Plan the fetch, once, then run it in one of [api] max_fetches slots. Local work never
         queues behind a peer: a fetch the local store serves whole (or a miss) takes a slot of
         its own pool, so the slots that fetches waiting on peers hold cannot starve it. Those
-        are held at most the fetch's deadline plus grace whatever the peers do (fetch.py), and
+        are held at most the fetch's wait plus grace whatever the peers do (fetch.py), and
         the deadline counts from its arrival, so a fetch that waited for a slot has that much
         less for its peers. What changed while it waited (a chunk evicted, a holder gone) the
         pipeline meets as it meets any: the chunk comes from another holder or as TEXT."""

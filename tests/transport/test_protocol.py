@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transport import frames
+from transport.calls import ServedFetch, grace_s, wait_s
 from transport.messages import (Ack, Advertise, Auth, Cancel, Chunk, End, Error, Fetch, Hello, Ping,
                                 Pong, ProtocolError, Text, Withdraw, from_wire, to_wire)
 from transport.protocol import (AUTH_FAILED, BAD_CRC, BAD_FRAME, BAD_MESSAGE, BAD_REQUEST,
@@ -333,6 +334,7 @@ def test_every_message_round_trips_through_the_wire():
             Advertise([K]), Advertise([K], ["balanced", "high"]), Withdraw([K]),
             Fetch(3, KEYS, 500, ["high", "fast"], 250.0),
             Fetch(4, KEYS, 500, [], None), Fetch(5, KEYS, 500, ["high"], None, None, 16384),
+            Fetch(6, KEYS, 500, ["high"], wait_ms=9000),
             Chunk.of(3, 1, "fast", b"abc"), Chunk.of(3, 1, "fast", b"abc", K),
             Text(3, 2, [1, 2]),
             Ack(3, 1, 99), End(3, "ok", True), Cancel(3), Error("x", "y"), Error("x", "y", 3),
@@ -351,6 +353,7 @@ def test_every_message_round_trips_through_the_wire():
     ({"t": "FETCH", "req": 1, "keys": ["k"], "deadline_ms": 1, "levels": []}, "FETCH.keys: item 0"),
     ({"t": "FETCH", "req": 1, "keys": [K], "deadline_ms": 1, "levels": [], "prefix_tokens": -5}, "FETCH.prefix_tokens"),
     ({"t": "FETCH", "req": 1, "keys": [K], "deadline_ms": 1, "levels": [], "text_last": 1}, "FETCH.text_last"),
+    ({"t": "FETCH", "req": 1, "keys": [K], "deadline_ms": 1, "levels": [], "wait_ms": -1}, "FETCH.wait_ms"),
     ({"t": "CHUNK", "req": 1, "i": True, "level": "h", "payload": b"", "crc": 0}, "CHUNK.i"),
     ({"t": "END", "req": 1, "status": "ok", "deadline_missed": 0}, "END.deadline_missed"),
     ({"t": "PING", "t2": 1}, "missing field 'time'"),
@@ -675,3 +678,22 @@ def test_random_splits_give_the_same_events(pieces):
 @functools.cache
 def whole_conversation() -> tuple[list, list]:
     return conversation([10**9])
+
+
+# --- how long each side of a FETCH waits ------------------------------------------------------
+
+def test_a_fetcher_waits_its_deadline_or_as_long_as_recomputing_would_take():
+    assert wait_s(2000, 0.5) == 2.0  # the deadline, when recomputing is quicker
+    assert wait_s(2000, 11.0) == 11.0  # a lost deadline: chunks arriving sooner are still worth it
+
+
+async def test_a_sender_gives_up_at_the_fetchers_wait_plus_grace_never_before_its_deadline():
+    async def send(_msg):
+        return 0
+
+    def given_up(fetch):
+        return ServedFetch(None, fetch, 100.0, send).give_up_at
+
+    assert given_up(Fetch(1, KEYS, 2000, ["high"])) == 100.0 + 2.0 + grace_s(2000)
+    assert given_up(Fetch(1, KEYS, 2000, ["high"], wait_ms=11_000)) == 100.0 + 11.0 + grace_s(2000)
+    assert given_up(Fetch(1, KEYS, 2000, ["high"], wait_ms=500)) == 100.0 + 2.0 + grace_s(2000)
