@@ -172,6 +172,7 @@ class CodecPool:
         self._lost: tuple[list[cf.ProcessPoolExecutor], str] | None = None  # the last broken executors, and why
         self.grid_warm: set[bytes] = set()  # the profiles whose grid scales' tables are built (warm_grid)
         self._grid_started: set[bytes] = set()
+        self._grid_given_up: set[bytes] = set()  # warming stopped short (best effort)
         self._grid_lock = threading.Lock()
         self._pool = self._start()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="codec-pool-watch")
@@ -191,15 +192,26 @@ class CodecPool:
             self._grid_started.add(profile.id)
         threading.Thread(target=self._warm_grid, args=(profile,), daemon=True, name="codec-pool-warm").start()
 
+    @property
+    def warming(self) -> bool:
+        """Some profile's grid tables are being built (warm_grid)."""
+        with self._grid_lock:
+            return bool(self._grid_started - self.grid_warm - self._grid_given_up)
+
     def _warm_grid(self, profile: Profile) -> None:
         for scale in rate.grid_scales(profile):
             if self._closed:
+                with self._grid_lock:
+                    self._grid_given_up.add(profile.id)
                 return
             try:
                 self._run([(k, warm.scale_tables, k, self.workers, profile.id, scale) for k in range(self.workers)])
             except Exception:  # the pool closing, or its workers lost twice: warming is best effort
+                with self._grid_lock:
+                    self._grid_given_up.add(profile.id)
                 return
-        self.grid_warm.add(profile.id)
+        with self._grid_lock:
+            self.grid_warm.add(profile.id)
 
     def _start(self) -> list[cf.ProcessPoolExecutor]:
         ctx = mp.get_context("spawn")

@@ -128,6 +128,12 @@ class Coder:
         tables of its rate control's scales in the background (CodecPool.warm_grid), once."""
         self.pool.warm_grid(profile)
 
+    def warm_all(self) -> None:
+        """warm_for every profile this node codes with: the configured one, and the registry's
+        choice for each model it knows ([codec] warm_tables = "start")."""
+        for prof in {p.id: p for p in [*registry.current(), *filter(None, [self.profile])]}.values():
+            self.warm_for(prof)
+
     def staged(self, shape: tuple[int, ...], dtype: torch.dtype):
         """A context giving a tensor to fill with a chunk, which encode() then codes at every
         level where it lies (CodecPool.staged)."""

@@ -22,6 +22,10 @@ class FetchRequest:
     device: str = "cpu"  # "cuda": decode on the daemon's GPU and hand over device memory
     # TEXT chunks only after every KV chunk: the caller holds a KV prefix, then computes (vLLM)
     text_last: bool = False
+    # the position where a token's prefill costs the model twice what it does at the start of a
+    # prompt (recompute_tokens_per_s being the rate there): TEXT is priced by position
+    # (transport.policy.text_seconds); None: at recompute_tokens_per_s everywhere
+    recompute_doubling_tokens: float | None = None
 
 
 @dataclass(frozen=True)

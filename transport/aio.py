@@ -190,18 +190,18 @@ class PeerConnection(asyncio.Protocol):
               decode_mbps: float | None = None, recompute_tps: float | None = None, *,
               stall_s: float | None = None, limit_s: float | None = None,
               prefix_tokens: int | None = None, rule: str | None = None, text_last: bool = False,
-              wait_ms: int | None = None) -> FetchCall:
+              wait_ms: int | None = None, recompute_doubling: float | None = None) -> FetchCall:
         """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives).
         With `stall_s` the iterator gives up (FetchStalled) on a peer silent that long, with
         `limit_s` (FetchTimedOut) that many seconds from now; both send CANCEL (FetchCall).
         `wait_ms`: how long past the FETCH's arrival the fetcher takes chunks, where longer than
-        the deadline (Fetch.wait_ms)."""
+        the deadline (Fetch.wait_ms). `recompute_doubling`: Fetch.recompute_doubling."""
         self._check_open()
         req = self.conn.next_request_id()
         call = FetchCall(self, req, self._taken, stall_s=stall_s, limit_s=limit_s)
         self._calls[req] = call
         self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps, recompute_tps, prefix_tokens,
-                             rule, text_last or None, wait_ms),
+                             rule, text_last or None, wait_ms, recompute_doubling),
                        self._loop.time())
         self._flush()
         return call

@@ -113,6 +113,10 @@ class Fetch(Message):
     # recomputing them would have been as quick (transport.calls.wait_s). The sender plans for
     # deadline_ms and gives up at this plus grace. None: deadline_ms
     wait_ms: int | None = None
+    # where a token's prefill costs twice what it does at the start of a prompt (policy.text_seconds,
+    # with recompute_tps the rate at the start), for TEXT priced by position; None: by
+    # recompute_tps alone
+    recompute_doubling: float | None = None
 
 
 @dataclass(frozen=True)
@@ -367,7 +371,8 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Fetch: {"req": _uint, "keys": lambda v: _list(v, _key, 1), "deadline_ms": _uint,
             "levels": lambda v: _list(v, _str), "decode_mbps": _optional_positive_float,
             "recompute_tps": _optional_positive_float, "prefix_tokens": _optional_uint,
-            "rule": _optional_str, "text_last": _optional_bool, "wait_ms": _optional_uint},
+            "rule": _optional_str, "text_last": _optional_bool, "wait_ms": _optional_uint,
+            "recompute_doubling": _optional_positive_float},
     Chunk: {"req": _uint, "i": _uint, "level": _str, "payload": _bytes, "crc": _uint32, "key": _optional_key},
     Text: {"req": _uint, "i": _uint, "tokens": lambda v: _list(v, _uint)},
     Ack: {"req": _uint, "i": _uint, "recv_bytes": _uint},
@@ -378,7 +383,7 @@ _CHECKS: dict[type[Message], dict[str, Callable[[Any], Any]]] = {
     Pong: {"time": _float, "wall": _optional_float},
 }
 _OPTIONAL = {(Fetch, "decode_mbps"), (Fetch, "recompute_tps"), (Fetch, "prefix_tokens"), (Fetch, "rule"),
-             (Fetch, "text_last"), (Fetch, "wait_ms"), (Chunk, "key"),
+             (Fetch, "text_last"), (Fetch, "wait_ms"), (Fetch, "recompute_doubling"), (Chunk, "key"),
              (Error, "req"), (Advertise, "levels"),
              (Ping, "pad"), (Pong, "wall")}  # may be absent on the wire (= nil)
 

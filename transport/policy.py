@@ -34,6 +34,9 @@ class Situation:
     inflight_bytes: int = 0  # bytes sent and not yet acknowledged
     # TEXT chunks only after every KV chunk: the receiver holds a KV prefix, then computes (vLLM)
     text_last: bool = False
+    # receiver seconds of each remaining chunk as TEXT, the next one first, where they differ by
+    # position (text_seconds); None: work_s[TEXT] each
+    text_s: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
@@ -44,6 +47,8 @@ class Situation:
         missing = [lv for lv in self.sizes if lv not in self.work_s or lv not in self.dppl]
         if missing:
             raise ValueError(f"no receiver work or quality cost for levels {missing}")
+        if self.text_s is not None and len(self.text_s) != lengths.pop():
+            raise ValueError(f"text_s has {len(self.text_s)} chunks, the sizes {self.chunks}")
 
     @property
     def chunks(self) -> int:
@@ -66,6 +71,16 @@ def receiver_work(chunk_bytes: int, decode_rate: Mapping[str, float], recompute_
     """Receiver seconds per chunk for each level, from decode rates in bytes of fp16 KV out per
     second (of the whole receiver, all its decode processes together) and the recompute time."""
     return {level: chunk_bytes / rate for level, rate in decode_rate.items()} | {TEXT: recompute_s}
+
+
+def text_seconds(tokens: int, start: int, tokens_per_s: float, doubling: float | None) -> float:
+    """Receiver seconds to prefill `tokens` tokens from position `start` (a TEXT chunk): a token
+    at position p costs (1 + p / doubling) / tokens_per_s, `tokens_per_s` being the rate at the
+    start of a prompt and `doubling` the position where a token costs twice that (attention's
+    share grows with the context: ~5000 tokens for SmolLM2 on two CPU cores); None: the same
+    everywhere."""
+    mid = start + (tokens - 1) / 2
+    return tokens / tokens_per_s * (1 + (mid / doubling if doubling else 0.0))
 
 
 def _by_quality(s: Situation) -> list[str]:
@@ -128,9 +143,16 @@ def _finish(s: Situation, counts: np.ndarray, bandwidth: float) -> tuple[np.ndar
     done = np.full(len(counts), s.backlog_s)  # the receiver is through it
     for j in order:
         m, a, b = counts[:, j], link[j], work[j]
-        # m like chunks in a row: the receiver ends m*b after it is free, or after the first
-        # chunk lands (a), or one chunk's work after the last one lands (m*a).
-        finish = np.maximum(np.maximum(done + m * b, sent + a + m * b), sent + m * a + b)
+        mb = m * b  # the receiver's work on them
+        if levels[j] == TEXT and s.text_s is not None:
+            # TEXT chunks by position: a head is the next m chunks, a tail the last m
+            costs = np.asarray(s.text_s, dtype=np.float64)
+            cum = np.concatenate([[0.0], np.cumsum(costs[::-1] if s.text_last else costs)])
+            k = np.rint(m).astype(int)
+            mb, b = cum[k], np.where(k > 0, cum[k] - cum[np.maximum(k - 1, 0)], 0.0)
+        # m like chunks in a row: the receiver ends their work after it is free, or after the
+        # first chunk lands (a), or one chunk's work after the last one lands (m*a).
+        finish = np.maximum(np.maximum(done + mb, sent + a + mb), sent + m * a + b)
         done = np.where(m > 0, finish, done)
         sent = sent + m * a
     return done, order

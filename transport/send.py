@@ -69,7 +69,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                       before_send: Callable[[int, str], None] | None = None,
                       count: int | None = None,
                       level_of: Callable[[int, str], str] | None = None,
-                      window: int | None = None, text_last: bool = False) -> Sent:
+                      window: int | None = None, text_last: bool = False,
+                      text_s: Sequence[float] | None = None) -> Sent:
     """Send every chunk of `served`'s FETCH, then END "ok" with whether its deadline (counted
     from the FETCH's arrival) was missed. With `count` short of the FETCH's chunks, send chunks
     [0, count) only and leave the request open: the caller ends it with an ERROR.
@@ -88,7 +89,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     `before_send(i, level)` runs just before chunk i is written; `on_sent(i, level, nbytes)`
     once it is. `level_of(i, level)`: the level chunk i goes at when `level` is chosen for it
     (a sender that holds some chunks at some levels only sends the nearest it holds; `sizes`
-    are then that level's), named so on the wire. `text_last`: the FETCH's (FetchSender)."""
+    are then that level's), named so on the wire. `text_last`: the FETCH's (FetchSender);
+    `text_s`: each chunk's receiver seconds as TEXT, by position (FetchSender)."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     pinging: asyncio.Task | None = None
@@ -103,7 +105,7 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
         pinging = asyncio.ensure_future(served.peer.ping())
     chunks = len(served.fetch.keys) if count is None else count
     sender = FetchSender(served.req, chunks, sizes, max(served.remaining() * 1000, 1.0), loop.time(),
-                         rule, estimator, work_s, dppl, text_last=text_last)
+                         rule, estimator, work_s, dppl, text_last=text_last, text_s=text_s)
     coded = 0
     clock = DeliveryClock(started)
     recent: deque[int] = deque(maxlen=8)  # wire bytes of the latest chunks written

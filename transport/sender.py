@@ -19,7 +19,8 @@ class _InFlight:
 class FetchSender:
     """Hands out chunks 0..chunks-1 of request `req` in order, each at the level `rule` picks
     from the estimator's view of the link, the receiver's predicted backlog and the time left.
-    What each level costs is data: `work_s` (receiver seconds per chunk) and `dppl` (quality).
+    What each level costs is data: `work_s` (receiver seconds per chunk) and `dppl` (quality);
+    `text_s`, where given, each chunk's receiver seconds as TEXT (policy.text_seconds).
 
     A deadline that passes is recorded, not ignored: the stream goes on at whatever the rule
     says once the deadline is lost, and `deadline_missed` reports it for the END message.
@@ -35,7 +36,8 @@ class FetchSender:
 
     def __init__(self, req: int, chunks: int, sizes: Mapping[str, Sequence[int]], deadline_ms: float,
                  now: float, rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
-                 dppl: Mapping[str, float], text_last: bool = False) -> None:
+                 dppl: Mapping[str, float], text_last: bool = False,
+                 text_s: Sequence[float] | None = None) -> None:
         if chunks < 1:
             raise ValueError(f"request {req}: a stream needs at least one chunk, got {chunks}")
         wrong = {lv: len(s) for lv, s in sizes.items() if len(s) != chunks}
@@ -56,6 +58,9 @@ class FetchSender:
         self.work_s = dict(work_s)
         self.dppl = dict(dppl)
         self.text_last = text_last
+        if text_s is not None and len(text_s) != chunks:
+            raise ValueError(f"request {req}: text_s lists {len(text_s)} chunks, not {chunks}")
+        self.text_s = None if text_s is None else list(text_s)  # each chunk's receiver seconds as TEXT
         self.levels: list[str] = []  # the level of each chunk handed out, in order
         self.choices: list[Choice] = []  # the rule's answer for each, with its reason
         self.cancelled = False
@@ -94,7 +99,8 @@ class FetchSender:
             # Chunks in flight still have their decode ahead of them at the receiver.
             backlog_s=max(0.0, self._receiver_free - now)
             + sum(self.work_s[c.level] for c in self._inflight.values()),
-            inflight_bytes=sum(c.bytes for c in self._inflight.values()), text_last=text_last)
+            inflight_bytes=sum(c.bytes for c in self._inflight.values()), text_last=text_last,
+            text_s=None if self.text_s is None else self.text_s[i:])
         choice = self.rule(situation)
         if choice.level not in self.sizes:
             raise ValueError(f"request {self.req}: the rule chose {choice.level!r}, "

@@ -73,10 +73,14 @@ def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0, b_keep
           codec: dict | None = None):
     """Two daemons, a and b, peers of each other; in two namespaces if it can make them.
     `b_keeps_fetched=False`: b stores nothing it fetched, so every fetch of a's context crosses the link.
-    `codec`: more [codec] keys (profile_keys)."""
+    `codec`: more [codec] keys (profile_keys). The hosts are handed over once their codec tables
+    are built ([codec] warm_tables = "start"), as a daemon that has run a while has them: a first
+    fetch's builds (~12 CPU-seconds, measured apart in docs/benchmarks.md) would otherwise share
+    this machine's two cores with the model process's compute in whatever is measured first."""
     ok, why = netns.available()
     link = netns.Link().up() if ok else None
-    extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers, **(codec or {})},
+    extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers,
+                       "warm_tables": "start", **(codec or {})},
              "store": {"memory_budget": "2GiB", "disk_budget": 0}}
     extra_b = {**extra, "store": {**extra["store"], "keep_fetched": b_keeps_fetched}}
     if link is not None:
@@ -92,6 +96,8 @@ def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0, b_keep
         a.wait_healthy()
         b.wait_healthy()
         wait_for(lambda: b.client().status()["peers_connected"], timeout=30, what="the hosts to connect")
+        wait_for(lambda: not any(n.client().status()["codec"]["tables_warming"] for n in (a, b)), timeout=300,
+                 what="the hosts' codec tables")
         yield Hosts(a, b, link), (None if ok else why)
     finally:
         for n in (a, b):
@@ -129,15 +135,33 @@ def _bar(progress: bool, total: int, desc: str, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, disable=not progress, leave=False)
 
 
-def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int = 1024) -> tuple[torch.Tensor, float]:
-    """Host a's prefill, `step` tokens at a time so a bar can follow it; returns (KV, tokens/s)."""
+def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int = 1024
+                           ) -> tuple[torch.Tensor, float, float | None]:
+    """Host a's prefill, `step` tokens at a time so a bar can follow it; returns (KV, the tokens/s
+    of its first step, the position where a token costs twice what it did there). The two are
+    what the model process tells its daemon of its prefill (recompute_tokens_per_s,
+    recompute_doubling_tokens), so that senders price a TEXT chunk by where it lies
+    (transport.policy.text_seconds): SmolLM2 here prefills its first 1024 tokens at ~550
+    tokens/s, 8192 at ~300 in all (doubling at ~5000 tokens)."""
     kv = None
+    head_tps = None
     t0 = time.perf_counter()
     with _bar(progress, len(tokens), "host a: prefill", "tok") as bar:
         for s in range(0, len(tokens), step):
+            t1 = time.perf_counter()
             _, kv = models.prefill(lm, tokens[s:s + step], kv, all_logits=False)
+            head_tps = head_tps or min(step, len(tokens)) / (time.perf_counter() - t1)
             bar.update(min(step, len(tokens) - s))
-    return kv, len(tokens) / (time.perf_counter() - t0)
+    return kv, head_tps, doubling_tokens(len(tokens), time.perf_counter() - t0, head_tps)
+
+
+def doubling_tokens(n: int, seconds: float, head_tps: float) -> float | None:
+    """Where a token's prefill costs twice its cost at the start, from a prefill of n tokens in
+    `seconds` whose start ran at head_tps: the time is n/head_tps + b*n^2/2 (attention grows
+    with the position), and the cost doubles at 1/(head_tps*b). None where the whole went no
+    slower than its start (too short to tell)."""
+    extra = seconds - n / head_tps
+    return None if extra <= 0 else n * n / (2 * extra * head_tps)
 
 
 def _quality(lm, kv, doc: list[int], cont: list[int], ref_ppl: float) -> float:
@@ -166,7 +190,7 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
     bandwidth. Recompute does not touch the link: it is measured once and reported at each."""
     question = lm.tokenizer.encode(lm.spec.turn_close)
     prompt = doc + question
-    kv_exact, prefill_tps = _prefill_with_progress(lm, doc, progress)
+    kv_exact, prefill_tps, doubling = _prefill_with_progress(lm, doc, progress, chunk_tokens)
     ref_ppl = quality.perplexity(models.continuation_logits(lm, kv_exact, cont[:-1]), torch.tensor(cont[1:]))
     put = put_context(lm, h.a.client(), doc, kv_exact)
     wait_for(lambda: h.b.client().lookup(lm.model_id, prompt)["found_tokens"] == len(doc), timeout=30,
@@ -197,7 +221,8 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
                 new, reuse = generate(lm.model, prompt, client, lm.model_id, max_new_tokens=GENERATE,
                                       deadline_ms=BASELINE_DEADLINE_MS if method in BASELINES else deadline_ms,
                                       levels=FETCH_LEVELS[method],
-                                      recompute_tokens_per_s=prefill_tps, on_chunk=lambda _e: bar.update(1),
+                                      recompute_tokens_per_s=prefill_tps, recompute_doubling_tokens=doubling,
+                                      on_chunk=lambda _e: bar.update(1),
                                       keep_kv=True)
             # the KV this method ended with, for quality (decoding is deterministic: same levels, same KV)
             key = tuple(reuse.levels)
@@ -208,7 +233,9 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
                          "dppl_pct": quality_cache[key], "tokens_match": new == reference,
                          "first_token_match": new[:1] == reference[:1], "bytes": reuse.bytes,
                          "levels": reuse.levels, "found_tokens": reuse.found_tokens, "text_tokens": reuse.text_tokens,
-                         "fetch_s": reuse.fetch_s, "recompute_s": reuse.recompute_s, "cache_s": reuse.cache_s, "generated": new,
+                         "fetch_s": reuse.fetch_s, "recompute_s": reuse.recompute_s,
+                         "recompute_after_s": reuse.recompute_after_s, "cache_s": reuse.cache_s, "generated": new,
+                         "recompute_tokens_per_s": prefill_tps, "recompute_doubling_tokens": doubling,
                          "deadline_missed": reuse.end.deadline_missed if reuse.end else None, "chunks": _per_chunk(reuse)})
             log(f"  {bw:g} Mbit/s {method}: TTFT {reuse.ttft_s:.2f} s, {reuse.bytes / 1e6:.1f} MB, "
                 f"levels {','.join(reuse.levels)}, Δppl {quality_cache[key]:+.2f}%, tokens match {new == reference}")

@@ -20,7 +20,7 @@ from transport import aio
 from transport.bandwidth import PeerBandwidth
 from transport.frames import text_wire_bytes
 from transport.messages import BAD_MESSAGE, NOT_FOUND, Fetch
-from transport.policy import DEFAULT_RULE, RULES, TEXT, fixed_rule
+from transport.policy import DEFAULT_RULE, RULES, TEXT, fixed_rule, text_seconds
 from transport.send import send_chunks
 
 from kvstreamd.metrics import Metrics, new_request_id
@@ -163,6 +163,9 @@ class Serving:
         fp16_mb = sum(2 * _numel(r.shape) * share for r, share in zip(recs, shares)) / len(recs) / 1e6
         work = {lv: catalog.decode_seconds(lv, fp16_mb, decode_mbps) for lv in coded}
         work[TEXT] = max(len(r.tokens) for r in recs) / recompute_tps
+        # by position where the fetcher says how its prefill slows with the context
+        text_s = [text_seconds(len(r.tokens), r.start, recompute_tps, fetch.recompute_doubling) for r in recs] \
+            if fetch.recompute_doubling else None
         estimator = self.bandwidth.get(peer)
         if len(asked) == 1 and asked == coded:
             # One level asked for (and held): exactly that level for every chunk, as a baseline wants.
@@ -186,7 +189,7 @@ class Serving:
                                  rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
                                  on_sent=lambda i, lv, n: (self.metrics.chunks.labels(lv, "sent").inc(),
                                                            release(recs[i].key)),
-                                 count=held, level_of=level_of, text_last=bool(fetch.text_last))
+                                 count=held, level_of=level_of, text_last=bool(fetch.text_last), text_s=text_s)
         if done.stopped_at is not None:
             self.metrics.error("fetch_not_found")
             i = done.stopped_at

@@ -126,11 +126,14 @@ class _Recompute:
 @torch.no_grad()
 def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadline_ms: int | None = None,
               levels: list[str] | None = None, recompute_tokens_per_s: float | None = None,
-              on_chunk: Callable[[ChunkEvent], None] | None = None) -> tuple[PrefixKV | None, Reuse]:
+              on_chunk: Callable[[ChunkEvent], None] | None = None,
+              recompute_doubling_tokens: float | None = None) -> tuple[PrefixKV | None, Reuse]:
     """The KV (the model's dtype; codec.layout.PrefixKV, `.dense()` is `[L, 2, n, H, D]` for a
     model whose layers all hold every token) of the prompt's longest prefix the cluster holds,
     TEXT chunks recomputed here as they come (while the rest streams), and what it took;
-    (None, reuse) when nothing was found."""
+    (None, reuse) when nothing was found. `recompute_tokens_per_s` (this model's prefill rate at
+    the start of a prompt) and `recompute_doubling_tokens` (the position where a token costs it
+    twice that) let the senders price TEXT chunks (Client.fetch)."""
     reuse = Reuse(len(prompt))
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
@@ -140,7 +143,8 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     # hands it over by CUDA IPC, or says why not and uses shared memory).
     try:
         with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=recompute_tokens_per_s,
-                          device="cuda" if device.type == "cuda" else "cpu") as f:
+                          device="cuda" if device.type == "cuda" else "cpu",
+                          recompute_doubling_tokens=recompute_doubling_tokens) as f:
             # A copy, always (even in the same dtype and device): the buffer is released on exit. Laid
             # out heads-first, as the model's cache holds it, so that generate() need not copy it again;
             # each chunk is copied out as it lands, while the next ones stream in.
@@ -214,14 +218,16 @@ class _FirstToken:
 def generate(model, prompt: list[int], client: Client | None, model_id: str, *, max_new_tokens: int = 32,
              deadline_ms: int | None = None, levels: list[str] | None = None,
              recompute_tokens_per_s: float | None = None, on_chunk: Callable[[ChunkEvent], None] | None = None,
-             keep_kv: bool = False, **generate_kwargs) -> tuple[list[int], Reuse]:
+             keep_kv: bool = False, recompute_doubling_tokens: float | None = None,
+             **generate_kwargs) -> tuple[list[int], Reuse]:
     """Greedy-generate after `prompt`, reusing the cluster's longest cached prefix of it
     (`client` None: no reuse, the whole prompt is prefilled here). Returns the new token ids and
     what was reused, with `ttft_s` from the call to the first new token."""
     t0 = time.perf_counter()
     kv, reuse = (None, Reuse(len(prompt))) if client is None else prefix_kv(
         model, prompt, client, model_id, deadline_ms=deadline_ms, levels=levels,
-        recompute_tokens_per_s=recompute_tokens_per_s, on_chunk=on_chunk)
+        recompute_tokens_per_s=recompute_tokens_per_s, on_chunk=on_chunk,
+        recompute_doubling_tokens=recompute_doubling_tokens)
     kwargs = dict(generate_kwargs)
     if kv is not None:
         t1 = time.perf_counter()

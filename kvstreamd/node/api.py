@@ -32,7 +32,8 @@
                                      codec.rate): each chunk is coded at the scale its costs give
                                      it at each level; without them, at the level's one scale
     POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?, device?,
-                                     recompute_tokens_per_s?, text_last?} -> NDJSON events:
+                                     recompute_tokens_per_s?, text_last?,
+                                     recompute_doubling_tokens?} -> NDJSON events:
                                      start (the buffer to attach), chunk (one per chunk as it
                                      lands: kv or text), end (totals and per-stage timings)
     DELETE /v1/buffers/{name}        the client is done with a fetch's buffer
@@ -75,6 +76,7 @@ MAX_BODY = 64 * 2**20  # token lists of 100K+ tokens as JSON stay far below this
 MAX_TOKENS = 2**20          # tokens in one request (a context a model can hold, and more)
 MAX_DEADLINE_MS = 3_600_000  # an hour
 MAX_RECOMPUTE_TPS = 10**9   # tokens a second a model prefills
+MAX_DOUBLING_TOKENS = 10**9  # where a token's prefill costs twice its cost at the start of a prompt
 MAX_NAME = 512              # characters of a model id
 MAX_DIMS = 8                # dimensions of a put's KV shape
 MAX_DIM = 2**31             # one dimension of it
@@ -263,7 +265,8 @@ def fetch_request(body: dict) -> FetchRequest:
     if device not in ("cpu", "cuda"):
         raise _bad(f'device must be "cpu" or "cuda", not {_shown(device)}')
     return FetchRequest(_model_id(body), _tokens(body), _dtype(body), deadline_ms, _levels(body),
-                        recompute_tps, device, _field(body, "text_last", bool, False))
+                        recompute_tps, device, _field(body, "text_last", bool, False),
+                        _number(body, "recompute_doubling_tokens", (int, float), 1, MAX_DOUBLING_TOKENS))
 
 
 # -- handlers --------------------------------------------------------------------------------

@@ -148,6 +148,8 @@ class Daemon:
         except (OSError, BrokenExecutor) as e:  # no processes, file descriptors or memory to start them
             raise StartupError(f"[codec] workers: {cfg.workers()} codec worker processes could not start: "
                                f"{type(e).__name__}: {e}") from None
+        if cfg.codec.warm_tables == "start":
+            self.coder.warm_all()
         log.info("fetched chunks decode on %s", f"{gpu} (CUDA streams, IPC hand-off)" if gpu else f"the CPU ({gpu_why})")
         if secret is None:
             log.warning("no [peer] secret configured: using a random one, so no peer can join this node")

@@ -412,6 +412,7 @@ class FetchJob:
                             stall_s=self._stall_s(peer, share), limit_s=max(left, 0.001),
                             prefix_tokens=self._prefix_tokens, rule=self.options.rule,
                             wait_ms=max(int((self._t0 + self.wait_s - time.monotonic()) * 1000), 1),
+                            recompute_doubling=self.options.recompute_doubling_tokens,
                             text_last=self.options.text_last)
         nbytes, sent = 0, 0  # positions of `share` received
         at = lambda: share[min(sent, len(share) - 1)]  # noqa: E731  the chunk it was to send next

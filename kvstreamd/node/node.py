@@ -220,7 +220,7 @@ class Node:
                 "health": {"status": "stopping" if self.stopping else "degraded" if faults else "ok",
                            "degraded": faults},
                 "codec": {"workers": self.coder.pool.workers, "restarts": self.coder.pool.restarts,
-                          "last_loss": self.coder.pool.last_loss},
+                          "last_loss": self.coder.pool.last_loss, "tables_warming": self.coder.pool.warming},
                 "store": {k: getattr(u, k) for k in ("chunks", "memory_bytes", "memory_budget", "disk_bytes",
                                                       "disk_budget", "memory_chunks", "disk_chunks", "pinned",
                                                       "evictions", "disk_errors", "pinned_bytes",

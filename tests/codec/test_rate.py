@@ -129,12 +129,14 @@ def test_a_pool_asked_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_i
     assert len(scales) == len(set(scales)) > 10 and lo < tuned.meta.get("level_scales", {}).get("high", 1.0) < hi
     with CodecPool(2, profile_paths=(str(path),), warm_levels=()) as pool:
         assert pool.table_steps(tuned) == [[], []]  # nothing until a fetch or a put of per-chunk scales asks
+        assert not pool.warming
         pool.warm_grid(tuned)
         pool.warm_grid(tuned)  # once per profile
+        assert pool.warming  # what a daemon's status says (tables_warming)
         deadline = time.monotonic() + 120
-        while tuned.id not in pool.grid_warm and time.monotonic() < deadline:
+        while pool.warming and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert pool.grid_warm == {tuned.id}
+        assert pool.grid_warm == {tuned.id} and not pool.warming
         held = pool.table_steps(tuned)
         for k, run in enumerate(split(2 * tuned.layers, 2)):
             for scale in scales:

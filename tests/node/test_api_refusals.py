@@ -11,7 +11,9 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvstreamd.node.api import make_app
+from kvstreamd.config import Config
+from kvstreamd.node.api import fetch_request, make_app
+from kvstreamd.node.options import FetchOptions
 from tests.fixtures import MODEL, SMALL
 
 SHAPE = [SMALL["layers"], 2, 0, SMALL["heads"], SMALL["head_dim"]]  # T at index 2
@@ -123,6 +125,19 @@ async def test_a_recompute_rate_that_is_not_positive_is_bad_request(api):
     for rate in (0, -1.0, "fast"):
         body = {**GOOD_FETCH, "recompute_tokens_per_s": rate}
         assert await error_of(api, "POST", "/v1/fetch", body) == (400, "bad_request"), rate
+
+
+async def test_a_doubling_position_that_is_not_positive_is_bad_request(api):
+    for tokens in (0, -5, "far", True):
+        body = {**GOOD_FETCH, "recompute_doubling_tokens": tokens}
+        assert await error_of(api, "POST", "/v1/fetch", body) == (400, "bad_request"), tokens
+
+
+def test_a_doubling_position_reaches_the_request_and_the_fetch_options():
+    req = fetch_request({**GOOD_FETCH, "recompute_tokens_per_s": 500, "recompute_doubling_tokens": 5000})
+    assert (req.recompute_tokens_per_s, req.recompute_doubling_tokens) == (500, 5000)
+    assert fetch_request(GOOD_FETCH).recompute_doubling_tokens is None
+    assert FetchOptions.of(req, Config(), 0.0).recompute_doubling_tokens == 5000
 
 
 async def test_a_text_last_that_is_not_a_boolean_is_bad_request(api):

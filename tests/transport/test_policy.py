@@ -13,7 +13,7 @@ from transport import traces
 from transport.bandwidth import BandwidthEstimator, PeerBandwidth, Probe
 from transport.messages import Ack, Fetch
 from codec import catalog
-from transport.policy import NEAR_LOSSLESS_DPPL, TEXT, Choice, Situation, adaptive_rule, cachegen_rule
+from transport.policy import NEAR_LOSSLESS_DPPL, TEXT, Choice, Situation, adaptive_rule, cachegen_rule, text_seconds
 from transport.send import send_chunks
 from transport.sender import FetchSender
 
@@ -172,6 +172,34 @@ def test_with_text_last_a_plan_that_recomputes_sends_its_kv_chunks_first(rate, d
     assert last.level != TEXT, last.reason
     plan = last.reason.split(": ", 1)[1].split(" in ")[0]  # e.g. "2xbalanced + 2xtext"
     assert TEXT not in plan or plan.endswith("x" + TEXT), plan
+
+
+def test_text_costs_more_the_further_into_the_prompt_it_lies():
+    assert text_seconds(1024, 0, 512.0, None) == text_seconds(1024, 4096, 512.0, None) == 2.0
+    assert text_seconds(1024, 0, 512.0, 5000.0) == pytest.approx(2.0 * (1 + 511.5 / 5000))
+    # a chunk whose middle lies at the doubling position costs twice a flat-priced one
+    assert text_seconds(1024, 5000 - 511.5, 512.0, 5000.0) == pytest.approx(4.0)
+
+
+def test_a_text_head_priced_by_position_is_shorter_than_one_priced_flat():
+    # 8 chunks on a slow link: the plan computes a head and streams the rest. Priced by
+    # position (each chunk further in costs more), the head it plans is no longer, and its
+    # predicted finish is what the per-position costs add up to.
+    s = situation(8, mbit(10), -1.0)
+    flat = s.work_s[TEXT]
+    by_position = [text_seconds(1, i, 1 / flat, 2.0) for i in range(8)]  # chunk i costs flat*(1 + i/2)
+    planned = adaptive_rule(Situation(**{**s.__dict__, "text_s": by_position}))
+    plain = adaptive_rule(s)
+
+    def texts(choice):
+        plan = choice.reason.split(": ", 1)[1].split(" in ")[0]
+        return sum(int(float(p.split("x")[0])) for p in plan.split(" + ") if p.endswith("x" + TEXT))
+
+    assert planned.level == plain.level == TEXT
+    assert 1 <= texts(planned) < texts(plain), (planned.reason, plain.reason)
+    assert planned.predicted_seconds >= sum(by_position[:texts(planned)])
+    with pytest.raises(ValueError, match="text_s"):
+        Situation(**{**s.__dict__, "text_s": by_position[:3]})
 
 
 @pytest.mark.parametrize("rate", [20, 100])
