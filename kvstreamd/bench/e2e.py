@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from codec.levels import LADDER
@@ -137,31 +138,37 @@ def _bar(progress: bool, total: int, desc: str, unit: str):
 
 def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int = 1024
                            ) -> tuple[torch.Tensor, float, float | None]:
-    """Host a's prefill, `step` tokens at a time so a bar can follow it; returns (KV, the tokens/s
-    of its first step, the position where a token costs twice what it did there). The two are
-    what the model process tells its daemon of its prefill (recompute_tokens_per_s,
-    recompute_doubling_tokens), so that senders price a TEXT chunk by where it lies
-    (transport.policy.text_seconds): SmolLM2 here prefills its first 1024 tokens at ~550
-    tokens/s, 8192 at ~300 in all (doubling at ~5000 tokens)."""
+    """Host a's prefill, `step` tokens at a time so a bar can follow it; returns (KV, and what
+    its steps' times say of the model's prefill: the tokens/s at the start of a prompt and the
+    position where a token costs twice that, prefill_rate). The two are what the model process
+    tells its daemon (recompute_tokens_per_s, recompute_doubling_tokens), so that senders price
+    a TEXT chunk by where it lies (transport.policy.text_seconds)."""
     kv = None
-    head_tps = None
-    t0 = time.perf_counter()
+    steps = []
     with _bar(progress, len(tokens), "host a: prefill", "tok") as bar:
         for s in range(0, len(tokens), step):
-            t1 = time.perf_counter()
+            t0 = time.perf_counter()
             _, kv = models.prefill(lm, tokens[s:s + step], kv, all_logits=False)
-            head_tps = head_tps or min(step, len(tokens)) / (time.perf_counter() - t1)
-            bar.update(min(step, len(tokens) - s))
-    return kv, head_tps, doubling_tokens(len(tokens), time.perf_counter() - t0, head_tps)
+            n = min(step, len(tokens) - s)
+            steps.append((s, n, time.perf_counter() - t0))
+            bar.update(n)
+    return (kv, *prefill_rate(steps))
 
 
-def doubling_tokens(n: int, seconds: float, head_tps: float) -> float | None:
-    """Where a token's prefill costs twice its cost at the start, from a prefill of n tokens in
-    `seconds` whose start ran at head_tps: the time is n/head_tps + b*n^2/2 (attention grows
-    with the position), and the cost doubles at 1/(head_tps*b). None where the whole went no
-    slower than its start (too short to tell)."""
-    extra = seconds - n / head_tps
-    return None if extra <= 0 else n * n / (2 * extra * head_tps)
+def prefill_rate(steps: list[tuple[int, int, float]]) -> tuple[float, float | None]:
+    """(tokens/s at the start of a prompt, the position where a token costs twice that) fitted
+    to prefill steps (start, tokens, seconds): a step's seconds per token grow in a line with
+    the position of its middle (attention reads every token before it). SmolLM2 on this
+    machine's two cores: ~550 tokens/s, doubling at ~5000 tokens. One step, or a fit that does
+    not grow: the mean rate, and None."""
+    mids = np.array([s + (n - 1) / 2 for s, n, _ in steps])
+    per_token = np.array([t / n for _, n, t in steps])
+    if len(steps) < 2:
+        return float(1 / per_token.mean()), None
+    slope, at_start = np.polyfit(mids, per_token, 1)
+    if slope <= 0 or at_start <= 0:
+        return float(1 / per_token.mean()), None
+    return float(1 / at_start), float(at_start / slope)
 
 
 def _quality(lm, kv, doc: list[int], cont: list[int], ref_ppl: float) -> float:
@@ -279,8 +286,11 @@ def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadlin
     lm = models.load(model)
     codec = profile_keys(lm.model_id, profile)
     rows: list[dict] = []
+    # the model's first forward in a process is slow (kernels, allocator): not one whose time
+    # prices TEXT (prefill_rate)
+    models.prefill(lm, lm.tokenizer.encode(lm.spec.turn_close) * 32, all_logits=False)
     with tempfile.TemporaryDirectory(prefix="kvstreamd-e2e-") as tmp, \
-            hosts(Path(tmp), chunk_tokens, codec=codec) as (h, why_not):
+            hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False, codec=codec) as (h, why_not):
         if why_not:
             log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
                 "unshaped, so --bandwidth has no effect")
