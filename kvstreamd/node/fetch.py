@@ -41,7 +41,7 @@ from codec.layout import PrefixKV
 from transport import aio
 from transport.frames import text_wire_bytes
 from transport.messages import BAD_CRC, NOT_FOUND
-from transport.policy import TEXT
+from transport.policy import TEXT, text_seconds
 
 from kvstreamd import events
 from kvstreamd.cluster.admission import Refused, Wanted, admit
@@ -195,9 +195,10 @@ class FetchJob:
     def wait_s(self) -> float:
         """Seconds from the request's arrival that peers' chunks are waited for (grace aside):
         the deadline, or as long as recomputing what the peers are to send would take here."""
-        p = self.plan
-        from_peers = p.found_tokens - (p.bounds[p.local - 1][1] if p.local else 0)
-        return aio.wait_s(self.options.deadline_ms, from_peers / self.options.recompute_tokens_per_s)
+        o, p = self.options, self.plan
+        recompute_s = sum(text_seconds(e - s, s, o.recompute_tokens_per_s, o.recompute_doubling_tokens)
+                          for s, e in p.bounds[p.local:p.found])
+        return aio.wait_s(o.deadline_ms, recompute_s)
 
     @property
     def peers_until(self) -> float:

@@ -39,6 +39,13 @@ def test_head_computed_here_joins_the_tail_fetched_at_fp16_exactly(tmp_path, lm)
         h.shape(20)
         new, reuse = generate(lm.model, prompt, h.b.client(), lm.model_id, max_new_tokens=4, deadline_ms=12_000,
                               levels=["fp16", "int8"], recompute_tokens_per_s=400.0, keep_kv=True)
+        # A deadline lost from the start (2 s): priced at 200 tokens/s, the fastest plan computes
+        # 6 chunks here and streams 2 (~5 s of link), and the fetch waits for them as long as
+        # recomputing the 8 would take (10 s), not only until the deadline plus grace (2.5 s).
+        _, late = generate(lm.model, prompt, h.b.client(), lm.model_id, max_new_tokens=1, deadline_ms=2000,
+                           levels=["fp16", "int8"], recompute_tokens_per_s=200.0)
+    arrived = [e.arrived_ms for e in late.events if e.kind == "kv"]
+    assert arrived and max(arrived) > 2500 and not late.errors, (late.levels, arrived, late.errors)
     kinds = [e.kind for e in reuse.events]
     head = kinds.index("kv") * CHUNK if "kv" in kinds else 0
     kv_chunks = kinds.count("kv")
