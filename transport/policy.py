@@ -47,7 +47,7 @@ class Situation:
         missing = [lv for lv in self.sizes if lv not in self.work_s or lv not in self.dppl]
         if missing:
             raise ValueError(f"no receiver work or quality cost for levels {missing}")
-        if self.text_s is not None and len(self.text_s) != lengths.pop():
+        if self.text_s is not None and len(self.text_s) != self.chunks:
             raise ValueError(f"text_s has {len(self.text_s)} chunks, the sizes {self.chunks}")
 
     @property

@@ -18,9 +18,10 @@ from kvstreamd.models.prefix import generate
 
 CHUNK = 256
 TOKENS = 2048
+ok, why = netns.available()
 
 
-@pytest.mark.skipif(not netns.available()[0], reason="needs network namespaces (root) for a shaped link")
+@pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here (a shaped link needs them): {why}")
 def test_head_computed_here_joins_the_tail_fetched_at_fp16_exactly(tmp_path, lm):
     doc = corpus.windows(lm.tokenizer, "test", 1, TOKENS)[0]
     question = lm.tokenizer.encode(lm.spec.turn_close)
