@@ -43,7 +43,11 @@ BASELINES = ("fp16", "int8")
 # no transfer here reaches (a fetch gives up on chunks not there by its deadline plus grace).
 BASELINE_DEADLINE_MS = 3_600_000
 STORED_LEVELS = ["high", "balanced", "fast", "int8", "fp16"]
-CHUNK_TOKENS = 1024
+# Chunks of 256 tokens: the unit a plan splits a context at, so the finer the chunks, the nearer
+# the head computed here (TEXT) and the tail streamed meet at the point where both take as long
+# (20 Mbit/s, 4096 tokens, 3 fetches each: TTFT 3.57-4.20 s at 256, 3.68-4.80 at 512, 4.22-4.69 at
+# 1024; docs/benchmarks.md "The slow end"). The vLLM bench uses the same size.
+CHUNK_TOKENS = 256
 CONTINUATION = 256  # tokens of the document's continuation that Δppl is measured on
 GENERATE = 8  # tokens generated per answer (the first is what TTFT waits for)
 DEADLINE_MS_PER_1K = 500  # the default SLO: half a second per 1024 tokens of context (2 s for 4096)
@@ -280,8 +284,9 @@ def summarise(rows: list[dict]) -> list[dict]:
 def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadline_ms: int | None = None,
         methods: list[str] | None = None, trace: list[float] | None = None, trace_step_s: float = 0.5,
         json_path: str | None = None, plot_path: str | None = None, progress: bool = True, log=print,
-        chunk_tokens: int = CHUNK_TOKENS, model: str | None = None, profile: str | None = None) -> dict:
+        chunk_tokens: int | None = None, model: str | None = None, profile: str | None = None) -> dict:
     methods = methods or METHODS
+    chunk_tokens = chunk_tokens or CHUNK_TOKENS
     torch.set_num_threads(os.cpu_count() or 1)
     lm = models.load(model)
     codec = profile_keys(lm.model_id, profile)
