@@ -184,11 +184,8 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
          recompute is no better than a level whose measured cost is within noise of 0), then
          the least mean Δppl, then the plan that would still finish first if the link fell
          to `stress` x the planning bandwidth (int8's extra bytes are exposure to a drop).
-      2. None fits, but some would at `optimism` x the smoothed bandwidth: the deadline can
-         still be met if the link speeds up. Of those, the least mean Δppl (then the fastest):
-         a bet on the link costs quality, so it stakes no more than the faster link would need.
-         (It used to take the fastest plan of all: on a steady 20 Mbit/s link, whose rate never
-         doubles, that sent `fast` chunks for nothing, +2.4% Δppl on one e2e document.)
+      2. None fits, but one would at `optimism` x the smoothed bandwidth: the deadline can
+         still be met if the link speeds up, so the fastest plan (least Δppl among equals).
       3. Not even then: the deadline is lost and lower quality cannot save it, so the fastest
          of the plans within `near` Δppl points of the least -- a late but lossless finish, as
          with CacheGen's TEXT fallback, but by the quickest lossless way (a plan all TEXT, at
@@ -206,8 +203,8 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
         fits &= quality <= quality[fits].min() + near
         keys = (_finish(s, counts, safe * stress)[0], quality, texts)
         verdict = "fits"
-    elif (hopeful := _finish(s, counts, s.bandwidth * optimism)[0] <= s.deadline_s).any():
-        fits, keys, verdict = hopeful, (done, quality), "behind, best plan a faster link brings in time"
+    elif (_finish(s, counts, s.bandwidth * optimism)[0] <= s.deadline_s).any():
+        fits[:], keys, verdict = True, (quality, done), "behind, fastest plan"
     else:
         fits = quality <= quality.min() + near
         keys, verdict = (quality, done), "deadline lost, best quality"

@@ -202,22 +202,6 @@ def test_a_text_head_priced_by_position_is_shorter_than_one_priced_flat():
         Situation(**{**s.__dict__, "text_s": by_position[:3]})
 
 
-def test_behind_the_deadline_the_rule_stakes_only_the_quality_a_faster_link_would_need():
-    # 8 chunks at 20 Mbit/s with no TEXT on offer: no plan fits at 0.9 x the estimate; at twice
-    # it, some do. Of those, the best quality: fewer `fast` chunks than the fastest plan has
-    # (all `fast`), still in time on the doubled link.
-    s = situation(8, mbit(20), 1.0, ladder=("high", "balanced", "fast"))
-    plans = {k: sum(s.sizes["fast"][:k]) + sum(s.sizes["balanced"][k:]) for k in range(9)}
-    deadline = (plans[8] + plans[4]) / 2 / (2 * s.bandwidth)  # all fast fits at 2x; 4 fast + 4 balanced not
-    s = Situation(**{**s.__dict__, "deadline_s": deadline})
-    choice = adaptive_rule(s)
-    assert "behind" in choice.reason, choice.reason
-    plan = choice.reason.split(": ", 1)[1].split(" in ")[0]
-    fast = sum(int(float(p.split("x")[0])) for p in plan.split(" + ") if p.endswith("xfast"))
-    assert 4 < fast < 8, choice.reason
-    assert choice.predicted_seconds > deadline  # at the planning rate it is late: the bet is on the link
-
-
 @pytest.mark.parametrize("rate", [20, 100])
 def test_adaptive_rule_after_a_lost_deadline_finishes_near_lossless_the_quickest_way(rate):
     # Of the plans within NEAR_LOSSLESS_DPPL of the best quality, the fastest: not every chunk
