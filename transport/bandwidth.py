@@ -59,6 +59,11 @@ class BandwidthEstimator:
         """The rates (bytes/s) in the window, oldest first."""
         return tuple(self._rates)
 
+    def peak(self) -> float | None:
+        """The fastest recent rate, bytes/s: as fast as this link has lately shown it can be;
+        None without history."""
+        return max(self._rates) if self._rates else None
+
     def estimate(self) -> float | None:
         """Harmonic mean of the recent rates, bytes/s; None without history."""
         if not self._rates:

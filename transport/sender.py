@@ -100,7 +100,7 @@ class FetchSender:
             backlog_s=max(0.0, self._receiver_free - now)
             + sum(self.work_s[c.level] for c in self._inflight.values()),
             inflight_bytes=sum(c.bytes for c in self._inflight.values()), text_last=text_last,
-            text_s=None if self.text_s is None else self.text_s[i:])
+            text_s=None if self.text_s is None else self.text_s[i:], peak_bandwidth=self.estimator.peak())
         choice = self.rule(situation)
         if choice.level not in self.sizes:
             raise ValueError(f"request {self.req}: the rule chose {choice.level!r}, "

@@ -99,7 +99,7 @@ def simulate(rule: Rule, trace: Sequence[float], sizes: Mapping[str, Sequence[in
     for i in range(n):
         situation = Situation(bandwidth=est.estimate(), sizes={lv: s[i:] for lv, s in sizes.items()},
                               work_s=work_s, dppl=dppl, deadline_s=deadline_s - now,
-                              backlog_s=max(0.0, receiver_free - now))
+                              backlog_s=max(0.0, receiver_free - now), peak_bandwidth=est.peak())
         level = rule(situation).level
         nbytes = sizes[level][i]
         arrived = now + nbytes / rate[i]

@@ -48,6 +48,7 @@ def test_estimate_is_the_harmonic_mean_of_the_last_window_of_samples():
         est.add(1_000_000, 5.0, 5.0 + 1_000_000 / rate)
     assert est.samples == pytest.approx((10 * MB, 20 * MB, 40 * MB))
     assert est.estimate() == pytest.approx(3 / (1 / (10 * MB) + 1 / (20 * MB) + 1 / (40 * MB)))
+    assert est.peak() == pytest.approx(40 * MB) and BandwidthEstimator().peak() is None
 
 
 def test_a_slow_chunk_pulls_the_estimate_down_more_than_a_fast_one_pushes_it_up():
@@ -200,6 +201,25 @@ def test_a_text_head_priced_by_position_is_shorter_than_one_priced_flat():
     assert planned.predicted_seconds >= sum(by_position[:texts(planned)])
     with pytest.raises(ValueError, match="text_s"):
         Situation(**{**s.__dict__, "text_s": by_position[:3]})
+
+
+@pytest.mark.parametrize("peak,bet", [(None, True), (2.0, True), (1.5, True), (1.05, False), (1.0, False)])
+def test_a_rule_behind_its_deadline_bets_on_the_link_only_as_far_as_the_link_has_lately_gone(peak, bet):
+    # 8 chunks at 20 Mbit/s, a deadline that all-`fast` meets at 1.4x the estimate and nothing
+    # meets at 0.9x: a link whose samples have reached 1.5x (or that the rule knows nothing
+    # of) may speed up, so the rule plans the fastest way (`fast` chunks); a steady one will not, and the
+    # deadline is lost, so the rule finishes near-lossless the quickest way
+    s = situation(8, mbit(20), 1.0, ladder=("high", "balanced", "fast", TEXT))
+    deadline = sum(s.sizes["fast"]) / (1.4 * s.bandwidth) + s.work_s["fast"]
+    s = Situation(**{**s.__dict__, "deadline_s": deadline,
+                     "peak_bandwidth": None if peak is None else peak * s.bandwidth})
+    choice = adaptive_rule(s)
+    if bet:
+        assert "behind" in choice.reason and "xfast" in choice.reason, choice.reason  # (a TEXT head, then fast)
+    else:
+        assert "deadline lost" in choice.reason and s.dppl[choice.level] <= NEAR_LOSSLESS_DPPL, choice.reason
+    with pytest.raises(ValueError, match="peak_bandwidth"):
+        Situation(**{**s.__dict__, "peak_bandwidth": 0.0})
 
 
 @pytest.mark.parametrize("rate", [20, 100])
