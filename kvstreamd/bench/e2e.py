@@ -18,7 +18,6 @@ import os
 import statistics
 import tempfile
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,20 +141,13 @@ def _bar(progress: bool, total: int, desc: str, unit: str):
 
 def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int = 1024
                            ) -> tuple[torch.Tensor, float, float | None]:
-    """Host a's prefill, `step` tokens at a time so a bar can follow it; returns (KV, and what
-    its steps' times say of the model's prefill: the tokens/s at the start of a prompt and the
+    """Host a's prefill, `step` tokens at a time on one running cache (as host b computes a TEXT
+    head) so a bar can follow it; returns (KV, and what its steps' times say of the model's prefill: the tokens/s at the start of a prompt and the
     position where a token costs twice that, prefill_rate). The two are what the model process
     tells its daemon (recompute_tokens_per_s, recompute_doubling_tokens), so that senders price
     a TEXT chunk by where it lies (transport.policy.text_seconds)."""
-    kv = None
-    steps = []
     with _bar(progress, len(tokens), "host a: prefill", "tok") as bar:
-        for s in range(0, len(tokens), step):
-            t0 = time.perf_counter()
-            _, kv = models.prefill(lm, tokens[s:s + step], kv, all_logits=False)
-            n = min(step, len(tokens) - s)
-            steps.append((s, n, time.perf_counter() - t0))
-            bar.update(n)
+        kv, steps = models.prefill_timed(lm, tokens, step, bar.update)
     return (kv, *prefill_rate(steps))
 
 

@@ -13,6 +13,7 @@ from kvstreamd.models.adapter import (
     load,
     model_id,
     prefill,
+    prefill_timed,
 )
 from kvstreamd.models.registry import DEFAULT, resolve, shipped_names
 from kvstreamd.models.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ __all__ = [
     "load",
     "model_id",
     "prefill",
+    "prefill_timed",
     "resolve",
     "shipped_names",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -347,6 +348,29 @@ def prefill(lm: LoadedModel, tokens, kv: torch.Tensor | None = None, *, all_logi
     `[L, 2, T_total, H, D]`, every layer's every token, sliding layers included)."""
     logits, _, new = _forward(lm, tokens, kv, all_logits, keep_kv=True, rows=logits_at)
     return logits, new if kv is None else torch.cat([kv.to(new.dtype), new], dim=2)
+
+
+@torch.no_grad()
+def prefill_timed(lm: LoadedModel, tokens, step: int, on_step: Callable[[int], None] | None = None
+                  ) -> tuple[torch.Tensor, list[tuple[int, int, float]]]:
+    """Prefill `tokens` `step` at a time on one running cache, as a receiver computes a TEXT
+    head (models.prefix), timing each step. Returns (the KV `[L, 2, T, H, D]`, as prefill gives
+    it, and (start, tokens, seconds) of each step); `on_step(tokens)` after each. What a
+    model's prefill rate is fitted to: prefill() in steps would time a copy of the growing
+    prefix too, which a running cache does not make."""
+    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+    if not 0 < ids.numel() <= lm.max_positions:
+        raise ValueError(f"{ids.numel()} tokens: a prefill takes 1 to the model's {lm.max_positions}")
+    cache = empty_cache(lm.model.config)
+    news, steps = [], []
+    for start in range(0, ids.numel(), step):
+        t0 = time.perf_counter()
+        _, new = run(lm.model, ids[start:start + step], cache, all_logits=False, keep_kv=True)
+        steps.append((start, new.shape[2], time.perf_counter() - t0))
+        news.append(new)
+        if on_step is not None:
+            on_step(new.shape[2])
+    return torch.cat(news, dim=2), steps
 
 
 def extend(lm: LoadedModel, kv: PrefixKV, tokens) -> torch.Tensor:

@@ -97,6 +97,17 @@ def test_injected_cache_gives_the_logits_of_one_long_pass(lm, tokens):
     assert torch.allclose(models.continuation_logits(lm, kv_a, b), logits_b, atol=0, rtol=0)
 
 
+def test_a_timed_prefill_on_a_running_cache_gives_the_kv_of_one_pass_and_times_every_step(lm, tokens):
+    _, full_kv = models.prefill(lm, tokens)
+    seen = []
+    kv, steps = models.prefill_timed(lm, tokens, 128, seen.append)
+    assert kv.shape == full_kv.shape and torch.allclose(kv, full_kv, atol=LOGITS_ATOL, rtol=0)
+    assert [(s, n) for s, n, _ in steps] == [(0, 128), (128, 128), (256, 128), (384, 116)] and seen == [128, 128, 128, 116]
+    assert all(t > 0 for _, _, t in steps)
+    with pytest.raises(ValueError, match="prefill takes"):
+        models.prefill_timed(lm, [], 128)
+
+
 def test_injected_fp16_cache_runs_close_to_the_exact_one(lm, tokens):
     _, kv_a = models.prefill(lm, tokens[:200])
     exact = models.continuation_logits(lm, kv_a, tokens[200:260])
