@@ -142,10 +142,11 @@ def _bar(progress: bool, total: int, desc: str, unit: str):
 def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int = 1024
                            ) -> tuple[torch.Tensor, float, float | None]:
     """Host a's prefill, `step` tokens at a time on one running cache (as host b computes a TEXT
-    head) so a bar can follow it; returns (KV, and what its steps' times say of the model's prefill: the tokens/s at the start of a prompt and the
-    position where a token costs twice that, prefill_rate). The two are what the model process
-    tells its daemon (recompute_tokens_per_s, recompute_doubling_tokens), so that senders price
-    a TEXT chunk by where it lies (transport.policy.text_seconds)."""
+    head) so a bar can follow it; returns (KV, and what its steps' times say of the model's
+    prefill: the tokens/s at the start of a prompt and the position where a token costs twice
+    that, prefill_rate). The two are what the model process tells its daemon
+    (recompute_tokens_per_s, recompute_doubling_tokens), so that senders price a TEXT chunk by
+    where it lies (transport.policy.text_seconds)."""
     with _bar(progress, len(tokens), "host a: prefill", "tok") as bar:
         kv, steps = models.prefill_timed(lm, tokens, step, bar.update)
     return (kv, *prefill_rate(steps))
