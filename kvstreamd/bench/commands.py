@@ -259,7 +259,8 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     be.add_argument("--trace", help="bandwidth trace: Mbit/s per line, one step each --trace-step-ms")
     be.add_argument("--trace-step-ms", type=int, default=500)
     be.add_argument("--chunk-tokens", type=int, default=None,
-                    help="the daemons' chunk size (default: 256, e2e.CHUNK_TOKENS) (a hybrid model's window moves in whole chunks)")
+                    help="the daemons' chunk size; default: e2e.CHUNK_TOKENS "
+                         "(a hybrid model's window moves in whole chunks)")
     be.add_argument("--json", default="bench-out/e2e.json")
     be.add_argument("--plot", default="bench-out/e2e.png")
     be.add_argument("--quiet", action="store_true", help="no progress bars")

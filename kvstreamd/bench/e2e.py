@@ -139,7 +139,7 @@ def _bar(progress: bool, total: int, desc: str, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, disable=not progress, leave=False)
 
 
-def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int = 1024
+def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int
                            ) -> tuple[torch.Tensor, float, float | None]:
     """Host a's prefill, `step` tokens at a time on one running cache (as host b computes a TEXT
     head) so a bar can follow it; returns (KV, and what its steps' times say of the model's
@@ -330,7 +330,7 @@ def table(report: dict) -> str:
         k = (r["bandwidth_mbit"], r["tokens"])
         speed = f"{best[k] / r['ttft_s']:.2f}x" if k in best and r["method"] == "kvstreamd" else ""
         lines.append(f"{r['bandwidth_mbit']:>7g} {r['tokens']:>6} {r['method']:10} {r['ttft_s']:>7.2f} {speed:>9} "
-                     f"{r['bytes'] / 1e6:>9.1f} {r['dppl_pct']:>+7.2f} {r.get('dppl_max_pct', r['dppl_pct']):>+7.2f} "
+                     f"{r['bytes'] / 1e6:>9.1f} {r['dppl_pct']:>+7.2f} {r['dppl_max_pct']:>+7.2f} "
                      f"{r['tokens_match'] * 100:>13.0f}% "
                      f"{r['first_token_match'] * 100:>8.0f}%")
     lines.append("speed-up: the best of recompute and fp16 over kvstreamd's TTFT; Δppl: the mean over runs, worst: "
