@@ -187,8 +187,10 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
       1. Some plan fits the deadline: of those within `near` Δppl points of the best one,
          the fewest TEXT chunks (a prefill takes the receiver's compute, and an exact
          recompute is no better than a level whose measured cost is within noise of 0), then
-         the least mean Δppl, then the plan that would still finish first if the link fell
-         to `stress` x the planning bandwidth (int8's extra bytes are exposure to a drop).
+         the least mean Δppl, then the plan that finishes first (among plans of one quality:
+         a mix of two levels priced alike, int8 and `high`, that keeps the wire and the
+         decoder both busy), then the one that would still finish first if the link fell to
+         `stress` x the planning bandwidth.
       2. None fits, but one would if the link sped up -- to `optimism` x the smoothed
          bandwidth, and no faster than its fastest recent sample (`peak_bandwidth`): the
          deadline can still be met, so the fastest plan (least Δppl among equals). A steady
@@ -209,7 +211,7 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
     fits = done <= s.deadline_s
     if fits.any():
         fits &= quality <= quality[fits].min() + near
-        keys = (_finish(s, counts, safe * stress)[0], quality, texts)
+        keys = (_finish(s, counts, safe * stress)[0], done, quality, texts)
         verdict = "fits"
     elif (_finish(s, counts, _hope(s, optimism))[0] <= s.deadline_s).any():
         fits[:], keys, verdict = True, (quality, done), "behind, fastest plan"

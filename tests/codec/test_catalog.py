@@ -19,6 +19,15 @@ def test_the_policy_table_prices_the_levels_asked_for_and_text():
     assert catalog.TEXT == TEXT
 
 
+def test_with_a_models_own_figures_a_baseline_counts_as_no_better_than_its_best_own_level():
+    # SmolLM2's own: high 0.08. int8's catalog 0.0 comes from another measurement: it is priced
+    # as high, so a fast link's plan may mix the two for time, not send all int8 for "quality".
+    own = {"high": 0.08, "balanced": 0.097, "fast": 0.753}
+    table = catalog.dppl_table(["high", "balanced", "fast", "int8", "fp16", "kivi2"], own)
+    assert table == {**own, "int8": 0.08, "fp16": 0.08, "kivi2": catalog.get("kivi2").dppl, TEXT: 0.0}
+    assert catalog.dppl_table(["int8"], None)["int8"] == catalog.get("int8").dppl  # no own figures: the catalog's
+
+
 def test_decode_time_uses_the_receivers_rate_for_entropy_coded_levels_only():
     assert catalog.decode_seconds("high", 100.0, receiver_mbps=50.0) == 2.0
     assert catalog.decode_seconds("fp16", 100.0, receiver_mbps=50.0) == 100.0 / catalog.get("fp16").decode_mbps

@@ -139,6 +139,22 @@ def test_on_a_fast_link_int8_meets_a_deadline_that_decode_makes_impossible_for_c
     assert not traces.simulate(cachegen_rule, [2000.0] * 4, paper, 0.45, work, DPPL).deadline_met
 
 
+def test_with_time_to_spare_a_fast_link_mixes_two_levels_priced_alike_to_keep_wire_and_decoder_busy():
+    # 1000 Mbit/s, 16 chunks, a deadline all `high` meets: a `high` chunk decodes in 40 ms and
+    # crosses in 8; int8 decodes in 4 and crosses in 24. Priced alike (a model's own `high`
+    # against int8 from the catalog), the plan that finishes first sends some of each, `high`
+    # first (the decoder's work starts while int8 fills the wire), replanning at every chunk.
+    n = 16
+    sizes = {"high": [1_000_000] * n, "int8": [3_000_000] * n}
+    work = {"high": 0.040, "int8": 0.004}
+    dppl = catalog.dppl_table(sizes, {"high": 0.08})
+    mixed = traces.simulate(adaptive_rule, [1000.0], sizes, 2.0, work, dppl)
+    alone = {lv: traces.simulate(fixed([lv] * n), [1000.0], sizes, 2.0, work, dppl).total_seconds for lv in sizes}
+    assert mixed.total_seconds < 0.8 * min(alone.values()), (mixed, alone)
+    assert list(mixed.levels) == sorted(mixed.levels, key=("high", "int8").index)  # every `high` first
+    assert 4 <= mixed.levels.count("high") <= 10, mixed.levels
+
+
 def test_adaptive_rule_counts_the_receivers_backlog():
     free = adaptive_rule(situation(2, mbit(2000), 0.6))
     busy = adaptive_rule(situation(2, mbit(2000), 0.6, backlog_s=0.5))
