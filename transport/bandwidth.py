@@ -10,6 +10,12 @@ from dataclasses import dataclass
 MIN_SAMPLE_BYTES = 64 * 1024
 CLOCK_TICK = 1e-3  # seconds: the coarsest event-loop clock a sender may time with
 RTT_JITTER = 0.02  # a PING's round trip is trusted to within this share of it (plus a clock tick)
+# Seconds after which a sample no longer speaks for the link: a fetch after such a pause probes
+# the link again (stale), and the probe drops the older samples, so one fetch's fast link does not
+# plan the next fetch's first chunks once the link has changed (bench e2e: after a fetch at 1000
+# Mbit/s, a 20 Mbit/s fetch sent its first three chunks as KV, which rules out a TEXT head: 5.4 s
+# where a head and a streamed tail take 4.6 s).
+STALE_S = 10.0
 
 
 def crossing_s(elapsed: float, rtt: float) -> float:
@@ -31,28 +37,40 @@ class BandwidthEstimator:
     is B/bandwidth, and the harmonic mean is the rate whose time is the mean of the samples'
     times, so one fast outlier cannot make the sender over-commit."""
 
-    def __init__(self, window: int = 5, min_bytes: int = MIN_SAMPLE_BYTES) -> None:
+    def __init__(self, window: int = 5, min_bytes: int = MIN_SAMPLE_BYTES, stale_s: float = STALE_S) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self.min_bytes = min_bytes
+        self.stale_s = stale_s
         self._rates: deque[float] = deque(maxlen=window)
+        self._last_at: float | None = None  # when the newest sample's delivery was acknowledged
 
     def add(self, nbytes: int, sent_at: float, acked_at: float) -> bool:
-        """Record one delivery; returns whether it counted (small ones do not)."""
+        """Record one delivery; returns whether it counted (small ones do not). The first one
+        more than `stale_s` after the last drops the samples before it."""
         if acked_at < sent_at:
             raise ValueError(f"ack at {acked_at} is before the send started at {sent_at}")
         if nbytes < self.min_bytes:
             return False
+        if self._last_at is not None and sent_at - self._last_at > self.stale_s:
+            self._rates.clear()
         # Event-loop clocks tick in milliseconds (uvloop): a delivery inside one tick took at
         # most one tick, so count it as that rather than as infinitely fast.
         self._rates.append(nbytes / max(acked_at - sent_at, CLOCK_TICK))
+        self._last_at = acked_at
         return True
 
     @property
     def needs_probe(self) -> bool:
         """True until the link has been measured once: the first chunk needs a probe."""
         return not self._rates
+
+    def stale(self, now: float) -> bool:
+        """Whether the newest sample is over `stale_s` old at `now` (the clock the deliveries
+        were timed with): the link may have changed since, so a fetch probes it again before
+        its first chunk, whose level (KV or a TEXT head) sets what the rest of the plan can be."""
+        return self._last_at is not None and now - self._last_at > self.stale_s
 
     @property
     def samples(self) -> tuple[float, ...]:

@@ -78,8 +78,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     `sizes[level][i]` is chunk i's size at each level on offer (TEXT among them if allowed),
     `payload_of(i, level)` its encoded bytes, `text_of(i)` its token ids; `work_s` and `dppl`
     are what each level costs the fetcher in seconds and in quality. A peer whose link has
-    no history (`estimator.needs_probe`) is probed first with a padded PING (and a plain PING
-    for the round trip, both on the wire at once). Chunks go in order, up to a window of them
+    no history (`estimator.needs_probe`), or none lately (`stale`), is probed first with a
+    padded PING (and a plain PING for the round trip, both on the wire at once). Chunks go in order, up to a window of them
     on the wire at once (window_chunks: the bandwidth-delay product from the estimate and the
     connection's RTT, recomputed before each chunk; `window` fixes it instead): each chunk's
     level is chosen just before it is written, from every ACK received by then.
@@ -94,7 +94,7 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     loop = asyncio.get_running_loop()
     started = loop.time()
     pinging: asyncio.Task | None = None
-    if estimator.needs_probe:
+    if estimator.needs_probe or estimator.stale(started):
         probe = Probe()
         # one round trip for both: the PING's PONG comes back first, the probe's after its bytes
         rtt, (sent_at, acked_at) = await asyncio.gather(served.peer.ping(), served.peer.probe(probe.size))

@@ -142,17 +142,21 @@ def _bar(progress: bool, total: int, desc: str, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, disable=not progress, leave=False)
 
 
-def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int
+def _prefill_with_progress(lm, tokens: list[int], progress: bool, step: int, timed: list[tuple[int, int, float]]
                            ) -> tuple[torch.Tensor, float, float | None]:
     """Host a's prefill, `step` tokens at a time on one running cache (as host b computes a TEXT
-    head) so a bar can follow it; returns (KV, and what its steps' times say of the model's
+    head) so a bar can follow it; returns (KV, and what the steps' times say of the model's
     prefill: the tokens/s at the start of a prompt and the position where a token costs twice
     that, prefill_rate). The two are what the model process tells its daemon
     (recompute_tokens_per_s, recompute_doubling_tokens), so that senders price a TEXT chunk by
-    where it lies (transport.policy.text_seconds)."""
+    where it lies (transport.policy.text_seconds). They are fitted to every step this process
+    has timed (`timed`, extended here), as a model process that has run a while knows its rate:
+    one document's 16 steps of 256 tokens fitted 570-805 tokens/s doubling at 1616-2520 tokens
+    across three documents, and the fit that said 805/1616 priced TEXT out of a 20 Mbit/s fetch."""
     with _bar(progress, len(tokens), "host a: prefill", "tok") as bar:
         kv, steps = models.prefill_timed(lm, tokens, step, bar.update)
-    return (kv, *prefill_rate(steps))
+    timed.extend(steps)
+    return (kv, *prefill_rate(timed))
 
 
 def prefill_rate(steps: list[tuple[int, int, float]]) -> tuple[float, float | None]:
@@ -192,12 +196,14 @@ def _per_chunk(reuse) -> list[dict]:
 
 def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[float], deadline_ms: int,
                 methods: list[str], trace: list[float] | None, trace_step_s: float, progress: bool,
-                log=print, chunk_tokens: int = CHUNK_TOKENS) -> list[dict]:
+                log=print, chunk_tokens: int = CHUNK_TOKENS, timed: list | None = None) -> list[dict]:
     """Store one document on host a, then answer the prompt on host b by every method at every
-    bandwidth. Recompute does not touch the link: it is measured once and reported at each."""
+    bandwidth. Recompute does not touch the link: it is measured once and reported at each.
+    `timed`: the prefill steps timed before (extended with this document's)."""
+    timed = [] if timed is None else timed
     question = lm.tokenizer.encode(lm.spec.turn_close)
     prompt = doc + question
-    kv_exact, prefill_tps, doubling = _prefill_with_progress(lm, doc, progress, chunk_tokens)
+    kv_exact, prefill_tps, doubling = _prefill_with_progress(lm, doc, progress, chunk_tokens, timed)
     ref_ppl = quality.perplexity(models.continuation_logits(lm, kv_exact, cont[:-1]), torch.tensor(cont[1:]))
     put = put_context(lm, h.a.client(), doc, kv_exact)
     wait_for(lambda: h.b.client().lookup(lm.model_id, prompt)["found_tokens"] == len(doc), timeout=30,
@@ -209,13 +215,13 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
     if "recompute" in methods:
         # Recompute is host b's own prefill of the whole prompt, in blocks (models.adapter: what
         # bounds a long prompt's masks and logits), then greedy decoding: TTFT is the first token.
-        timed: dict = {}
-        ref_tokens = models.generate_greedy(lm, None, prompt, GENERATE, timings=timed)
+        timings: dict = {}
+        ref_tokens = models.generate_greedy(lm, None, prompt, GENERATE, timings=timings)
         reference = ref_tokens
-        rec = {"method": "recompute", "ttft_s": timed["first_token_s"], "dppl_pct": 0.0, "tokens_match": True,
+        rec = {"method": "recompute", "ttft_s": timings["first_token_s"], "dppl_pct": 0.0, "tokens_match": True,
                "first_token_match": True, "bytes": 0,
                "levels": [], "found_tokens": 0, "text_tokens": 0, "generated": ref_tokens}
-        log(f"  recompute: TTFT {timed['first_token_s']:.2f} s")
+        log(f"  recompute: TTFT {timings['first_token_s']:.2f} s")
     else:
         reference = models.generate_greedy(lm, None, prompt, GENERATE)
     for bw in bandwidths:
@@ -278,16 +284,18 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def warm_up(lm, h: Hosts) -> None:
+def warm_up(lm, h: Hosts, chunk_tokens: int, timed: list) -> None:
     """One untimed fetch of WARM_UP_TOKENS of valid.txt (a split no run measures on), as
     kvstreamd fetches, on a link fast enough to decode chunks rather than recompute them, before
     anything is measured. Host b then plans with the decode rate it measures in a fetch, as a
     daemon that has run a while does, not its prior: on this machine, whose two cores also run
     host a, the prior is 1.7x what a fetch gets (224 against 132 MB/s), and the first fetch at
     1000 Mbit/s took 10 of 16 chunks at `high` where 5 keep the wire and the decoder both busy
-    (1.05 s against 0.67-0.71 s)."""
+    (1.05 s against 0.67-0.71 s). Its prefill's steps join `timed`, the steps the prefill rate
+    is fitted to."""
     doc = corpus.windows(lm.tokenizer, "valid", 1, WARM_UP_TOKENS)[0]
-    put = put_context(lm, h.a.client(), doc, measure=False)
+    kv, _, _ = _prefill_with_progress(lm, doc, False, chunk_tokens, timed)
+    put = put_context(lm, h.a.client(), doc, kv, measure=False)
     wait_for(lambda: h.b.client().lookup(lm.model_id, doc)["found_tokens"] == len(doc), timeout=30,
              what="host b to see the warm-up context")
     h.shape(WARM_UP_MBIT)
@@ -314,7 +322,8 @@ def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadlin
         if why_not:
             log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
                 "unshaped, so --bandwidth has no effect")
-        warm_up(lm, h)
+        timed: list[tuple[int, int, float]] = []  # every prefill step timed, for the rate (_prefill_with_progress)
+        warm_up(lm, h, chunk_tokens, timed)
         for tokens in token_counts:
             question = len(lm.tokenizer.encode(lm.spec.turn_close))
             head = lm.tokenizer.document(lm.spec.turn_open)  # (BOS first, for a model that needs one)
@@ -325,7 +334,7 @@ def run(bandwidths: list[float], token_counts: list[int], runs: int = 1, deadlin
                 log(f"{tokens} tokens, run {r + 1}/{runs}: a user turn opening with {text_len} tokens of test.txt")
                 deadline = deadline_ms or deadline_for(doc_len)
                 new = one_context(lm, h, head + w[:text_len], w[text_len:], bandwidths, deadline, methods, trace,
-                                  trace_step_s, progress, log, chunk_tokens)
+                                  trace_step_s, progress, log, chunk_tokens, timed)
                 for row in new:
                     row.update(run=r, tokens=tokens, doc_tokens=doc_len, deadline_ms=deadline)
                 rows += new

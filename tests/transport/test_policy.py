@@ -51,6 +51,16 @@ def test_estimate_is_the_harmonic_mean_of_the_last_window_of_samples():
     assert est.peak() == pytest.approx(40 * MB) and BandwidthEstimator().peak() is None
 
 
+def test_a_delivery_after_a_pause_longer_than_stale_s_drops_the_samples_before_it():
+    est = BandwidthEstimator(stale_s=10.0)
+    for k in range(5):  # a fast link, one fetch
+        est.add(1_000_000, k * 0.01, k * 0.01 + 1_000_000 / mbit(1000))
+    est.add(1_000_000, 5.0, 5.0 + 1_000_000 / mbit(20))  # 5 s on: still the same link's history
+    assert len(est.samples) == 5 and est.estimate() > mbit(80)
+    est.add(1_000_000, 20.0, 20.0 + 1_000_000 / mbit(20))  # the next fetch, 15 s after the last ack
+    assert est.samples == pytest.approx((mbit(20),)) and est.peak() == pytest.approx(mbit(20))
+
+
 def test_a_slow_chunk_pulls_the_estimate_down_more_than_a_fast_one_pushes_it_up():
     slow, fast = BandwidthEstimator(), BandwidthEstimator()
     for est, odd in ((slow, 1 * MB), (fast, 100 * MB)):
@@ -600,14 +610,28 @@ async def test_bunched_acks_of_a_deep_window_do_not_inflate_the_estimate():
     assert est.estimate() == pytest.approx(bw, rel=0.2), est.samples
 
 
-async def test_send_chunks_does_not_probe_a_link_with_history():
+async def test_send_chunks_does_not_probe_a_link_with_recent_history():
     served = FakeServedFetch(2, mbit(100))
     sizes, work = _send_sizes(2)
     est = BandwidthEstimator()
-    est.add(1_000_000, 0.0, 1_000_000 / mbit(100))
+    now = asyncio.get_running_loop().time()
+    est.add(1_000_000, now - 1.0, now - 1.0 + 1_000_000 / mbit(100))
     await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1], adaptive_rule,
                       est, work, {"high": 0.0, TEXT: 0.0})
     assert served.peer.probes == [] and len(served.written) == 2 and served.ended == [False]
+
+
+async def test_send_chunks_probes_a_link_whose_history_is_stale_and_forgets_that_history():
+    served = FakeServedFetch(2, mbit(20))
+    sizes, work = _send_sizes(2)
+    est = BandwidthEstimator()
+    then = asyncio.get_running_loop().time() - 2 * est.stale_s
+    est.add(1_000_000, then, then + 1_000_000 / mbit(1000))  # a fast link, a while ago
+    assert est.stale(then + 2 * est.stale_s) and not est.stale(then + 1.0)
+    await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1], adaptive_rule,
+                      est, work, {"high": 0.0, TEXT: 0.0})
+    assert served.peer.probes == [Probe().size] and len(served.written) == 2
+    assert est.estimate() == pytest.approx(mbit(20), rel=0.05), est.samples
 
 
 async def test_send_chunks_counts_the_deadline_from_the_fetchs_arrival():
