@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from codec.layout import PrefixKV
+from transport.policy import text_seconds
 
 from ..client import ChunkEvent, Client
 from ..events import End
@@ -52,6 +53,9 @@ class Reuse:
     ttft_s: float | None = None  # prompt in -> first generated token (set by generate)
     kv: PrefixKV | None = None  # the prefix KV used, when generate(keep_kv=True)
     cache_s: float = 0.0  # building the model's cache from the fetched KV
+    # the prefill rate told the senders: the caller's, over how much slower this process's heads
+    # have run inside fetches than it predicts (HEAD_PACE); None where the caller gave none
+    recompute_tokens_per_s_told: float | None = None
 
     @property
     def levels(self) -> list[str]:
@@ -123,6 +127,42 @@ class _Recompute:
                 self.busy_s += time.perf_counter() - t0
 
 
+class HeadPace:
+    """How much slower this process's TEXT heads run inside a fetch than the prefill rate its
+    caller gives predicts (transport.policy.text_seconds), per model, learned from every fetch
+    that brought TEXT: a head shares the CPU with the daemon's receiving and decoding of the
+    tail. The rate told the senders is the caller's divided by it, so a sender plans a head that
+    ends as the tail's KV does. On two cores (bench e2e, 20 Mbit/s, host a's prefill fitting
+    541-563 tokens/s): 1536-token heads took 4.75-4.85 s where that rate predicts 3.5 s, and the
+    head ended 1.1-1.3 s after the last KV chunk."""
+
+    ALPHA = 0.5  # weight of the newest fetch
+    BOUNDS = (0.5, 4.0)  # what one fetch may say: outside it, something else held the head up
+
+    def __init__(self) -> None:
+        self._slowdown: dict[str, float] = {}
+
+    def slowdown(self, model_id: str) -> float:
+        return self._slowdown.get(model_id, 1.0)
+
+    def told(self, model_id: str, tokens_per_s: float | None) -> float | None:
+        """The rate to tell senders for a caller's `tokens_per_s` (None: none, the daemon's)."""
+        return None if tokens_per_s is None else tokens_per_s / self.slowdown(model_id)
+
+    def learn(self, model_id: str, ranges: list[tuple[int, int]], seconds: float, tokens_per_s: float | None,
+              doubling: float | None) -> None:
+        """One fetch's TEXT: its [start, end) ranges took `seconds` here; the caller's rate."""
+        if tokens_per_s is None or not ranges or seconds <= 0:
+            return
+        predicted = sum(text_seconds(e - s, s, tokens_per_s, doubling) for s, e in ranges)
+        ratio = min(max(seconds / predicted, self.BOUNDS[0]), self.BOUNDS[1])
+        before = self._slowdown.get(model_id)
+        self._slowdown[model_id] = ratio if before is None else (1 - self.ALPHA) * before + self.ALPHA * ratio
+
+
+HEAD_PACE = HeadPace()  # this process's
+
+
 @torch.no_grad()
 def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadline_ms: int | None = None,
               levels: list[str] | None = None, recompute_tokens_per_s: float | None = None,
@@ -133,8 +173,9 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     TEXT chunks recomputed here as they come (while the rest streams), and what it took;
     (None, reuse) when nothing was found. `recompute_tokens_per_s` (this model's prefill rate at
     the start of a prompt) and `recompute_doubling_tokens` (the position where a token costs it
-    twice that) let the senders price TEXT chunks (Client.fetch)."""
+    twice that) let the senders price TEXT chunks (Client.fetch), the rate as HEAD_PACE corrects it."""
     reuse = Reuse(len(prompt))
+    reuse.recompute_tokens_per_s_told = told = HEAD_PACE.told(model_id, recompute_tokens_per_s)
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
     t0 = time.perf_counter()
@@ -142,7 +183,7 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     # A model on a GPU asks for the KV in device memory (the daemon decodes it on its GPU and
     # hands it over by CUDA IPC, or says why not and uses shared memory).
     try:
-        with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=recompute_tokens_per_s,
+        with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=told,
                           device="cuda" if device.type == "cuda" else "cpu",
                           recompute_doubling_tokens=recompute_doubling_tokens) as f:
             # A copy, always (even in the same dtype and device): the buffer is released on exit. Laid
@@ -181,6 +222,9 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
         reuse.recompute_s = recompute.busy_s
         reuse.text_ranges = recompute.ranges
         reuse.text_tokens = sum(e - s for s, e in recompute.ranges)
+        if recompute.error is None:
+            HEAD_PACE.learn(model_id, recompute.ranges, recompute.busy_s, recompute_tokens_per_s,
+                            recompute_doubling_tokens)
         if recompute.error is not None:
             reuse.errors.append(f"{recompute.error}: the prompt is prefilled whole")
             reuse.found_tokens = reuse.kv_tokens = reuse.text_tokens = 0
