@@ -15,10 +15,20 @@ from pathlib import Path
 from ..client import Client, ClientError
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now and that this process has not handed out before:
+    the kernel may give a port it just gave (and that was closed at once) again, and two daemons
+    of one test were once handed the same one ("peers[1] ... is listed twice")."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
