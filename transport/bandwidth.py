@@ -53,7 +53,7 @@ class BandwidthEstimator:
             raise ValueError(f"ack at {acked_at} is before the send started at {sent_at}")
         if nbytes < self.min_bytes:
             return False
-        if self._last_at is not None and sent_at - self._last_at > self.stale_s:
+        if self.stale(sent_at):
             self._rates.clear()
         # Event-loop clocks tick in milliseconds (uvloop): a delivery inside one tick took at
         # most one tick, so count it as that rather than as infinitely fast.

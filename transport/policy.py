@@ -205,7 +205,8 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
     n = s.chunks
     groups = min(n, horizon)
     counts = _splits(groups, len(levels)) * (n / groups)
-    quality = np.round(counts @ np.array([s.dppl[lv] for lv in levels]) / n, 9)
+    cost = np.array([s.dppl[lv] for lv in levels])
+    quality = np.round(counts @ cost / n, 9)
     texts = counts[:, levels.index(TEXT)] if TEXT in levels else np.zeros(len(counts))
     safe = s.bandwidth * safety
     done, order = _finish(s, counts, safe)
@@ -219,7 +220,6 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
     else:
         # every chunk near-lossless, not the mean: a quarter of the chunks at `fast` averages
         # under `near` but costs the tokens that read them (+1.45% Δppl at 20 Mbit/s, bench e2e)
-        cost = np.array([s.dppl[lv] for lv in levels])
         worst = np.where(counts > 0, cost, -np.inf).max(axis=1)
         fits = worst <= cost.min() + near
         keys, verdict = (quality, done), "deadline lost, best quality"

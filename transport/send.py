@@ -79,9 +79,9 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     `payload_of(i, level)` its encoded bytes, `text_of(i)` its token ids; `work_s` and `dppl`
     are what each level costs the fetcher in seconds and in quality. A peer whose link has
     no history (`estimator.needs_probe`), or none lately (`stale`), is probed first with a
-    padded PING (and a plain PING for the round trip, both on the wire at once). Chunks go in order, up to a window of them
-    on the wire at once (window_chunks: the bandwidth-delay product from the estimate and the
-    connection's RTT, recomputed before each chunk; `window` fixes it instead): each chunk's
+    padded PING (and a plain PING for the round trip, both on the wire at once). Chunks go in
+    order, up to a window of them on the wire at once (window_chunks: the bandwidth-delay
+    product from the estimate and the connection's RTT, recomputed before each chunk; `window` fixes it instead): each chunk's
     level is chosen just before it is written, from every ACK received by then.
     `payload_of` may be a coroutine function (a sender that reads each chunk only as it is about
     to be written holds the chunks in flight, not the whole FETCH); it returns None for a chunk it cannot make (damaged where it is kept): the loop
