@@ -40,9 +40,11 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile_tune_rate(args: argparse.Namespace) -> int:
-    """Tune an existing profile's per-chunk rate control (calibrate.tune_targets) and write it
-    as a new profile: the statistics, steps and level scales stay as they are."""
+def _profile_retune(args: argparse.Namespace) -> int:
+    """`profile tune-rate` and `profile costs`: an existing profile's per-chunk rate control
+    retuned (tune-rate only; calibrate.tune_targets) and its level costs measured again
+    (calibrate.level_costs, which depend on the rate control), written as a new profile: the
+    statistics, steps and level scales stay as they are."""
     from . import models
     from .lab import calibrate
     from codec import Profile, registry
@@ -51,13 +53,18 @@ def _profile_tune_rate(args: argparse.Namespace) -> int:
     prof = Profile.load(args.profile) if args.profile else registry.for_model(lm.model_id)
     prof = Profile(dict(prof.meta), dict(prof.tensors))  # a new profile, its id taken afresh
     tuning = calibrate.tuning_cases(lm, texts=args.texts or calibrate.TUNING_TEXTS)
-    prof.meta["rate_control"] = calibrate.tune_targets(lm, prof, tuning)
-    prof._id = None  # meta changed: the id the tuning's coding took is not the new profile's
+    costs = calibrate.chunk_costs(lm, prof, tuning)
+    if args.profile_command == "tune-rate":
+        prof.meta["rate_control"] = calibrate.tune_targets(lm, prof, tuning, costs=costs)
+        prof._id = None  # meta changed: the id the tuning's coding took is not the new profile's
+    prof.meta["level_dppl"] = calibrate.level_costs(lm, prof, tuning, costs)
+    prof._id = None
     out = Path(args.out) if args.out else registry.user_file(prof)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
     print(f"profile {prof.id.hex()} for {prof.model_id} written to {out}")
-    print("rate control:", prof.meta["rate_control"])
+    print("rate control:", prof.meta.get("rate_control"))
+    print("level costs:", prof.meta["level_dppl"])
     return 0
 
 
@@ -305,15 +312,19 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--sensitivity-from", metavar="PROFILE",
                      help="reuse the sensitivity measured for an earlier profile of the same model")
     cal.set_defaults(func=_profile_calibrate)
-    tr = psub.add_parser("tune-rate", help="tune a profile's per-chunk rate control (each level's target) "
-                                           "on calibration text, and write it as a new profile")
-    tr.add_argument("--profile", metavar="PATH", help="the profile to start from (default: the model's)")
-    tr.add_argument("--out", metavar="PATH", help="where to write it (default: the user profile folder)")
-    tr.add_argument("--texts", nargs="+", default=None, metavar="KIND",
-                    help="kinds of text whose valid split the targets are tuned on (default: every kind "
-                         "tuned on; never manual, held out from tuning)")
-    model_option(tr)
-    tr.set_defaults(func=_profile_tune_rate)
+    retunes = {"tune-rate": "tune a profile's per-chunk rate control (each level's target) and measure its "
+                            "level costs again, on calibration text, and write it as a new profile",
+               "costs": "measure a profile's level costs (what a sender's level choice weighs for its model) "
+                        "on calibration text, and write it as a new profile"}
+    for name, what in retunes.items():
+        tr = psub.add_parser(name, help=what)
+        tr.add_argument("--profile", metavar="PATH", help="the profile to start from (default: the model's)")
+        tr.add_argument("--out", metavar="PATH", help="where to write it (default: the user profile folder)")
+        tr.add_argument("--texts", nargs="+", default=None, metavar="KIND",
+                        help="kinds of text whose valid split it is measured on (default: every kind "
+                             "tuned on; never manual, held out from tuning)")
+        model_option(tr)
+        tr.set_defaults(func=_profile_retune, profile_command=name)
     return p
 
 

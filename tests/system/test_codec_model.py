@@ -145,6 +145,8 @@ def test_calibration_makes_a_working_profile(lm, tmp_path):
     assert scales["high"] < scales["balanced"] < scales["fast"]
     targets = loaded.meta["rate_control"]["targets"]  # per-chunk rate control's, tuned as the scales are
     assert set(targets) == set(codec.LADDER) and targets["high"] < targets["balanced"] < targets["fast"]
+    costs = loaded.meta["level_dppl"]  # measured with the chunks coded at their rate-controlled scales
+    assert set(costs) == set(codec.LADDER) and 0 < costs["high"] < costs["fast"]
     w = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
     _, kv = models.prefill(lm, w, all_logits=False)
     out = codec.decode(codec.encode(kv, "balanced", loaded), loaded)
