@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from .bandwidth import BandwidthEstimator, Probe
+from .bandwidth import PROBE_ENOUGH_S, PROBES, BandwidthEstimator
 from .delivery import DeliveryClock
 from .policy import TEXT, Rule
 from .requests import DEFAULT_MAX_BUFFERED_BYTES
@@ -61,6 +61,22 @@ class Sent:
     windows: tuple[int, ...] = ()  # the window in force as each chunk was written
 
 
+async def _probe(peer, estimator: BandwidthEstimator) -> None:
+    """Measure the link with PROBES in turn, until one takes PROBE_ENOUGH_S to cross (the last
+    always counts), and feed that one to `estimator`. The first goes beside a PING, one round
+    trip for both (its PONG comes back first, the probe's ack after its bytes), whose time is
+    taken off every probe's."""
+    rtt = None
+    for probe in PROBES:
+        if rtt is None:
+            rtt, (sent_at, acked_at) = await asyncio.gather(peer.ping(), peer.probe(probe.size))
+        else:
+            sent_at, acked_at = await peer.probe(probe.size)
+        if probe is PROBES[-1] or probe.crossing_s(sent_at, acked_at, rtt) >= PROBE_ENOUGH_S:
+            probe.record(estimator, sent_at, acked_at, rtt=rtt)
+            return
+
+
 async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                       payload_of: Callable[[int, str], bytes | None], text_of: Callable[[int], list[int]],
                       rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
@@ -95,10 +111,7 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     started = loop.time()
     pinging: asyncio.Task | None = None
     if estimator.needs_probe or estimator.stale(started):
-        probe = Probe()
-        # one round trip for both: the PING's PONG comes back first, the probe's after its bytes
-        rtt, (sent_at, acked_at) = await asyncio.gather(served.peer.ping(), served.peer.probe(probe.size))
-        probe.record(estimator, sent_at, acked_at, rtt=rtt)
+        await _probe(served.peer, estimator)
     elif getattr(served.peer, "rtt", None) is None:
         # a link with history on a connection never pinged: learn the round trip alongside the
         # first chunks (the window stays MIN_WINDOW until the PONG)

@@ -250,7 +250,9 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
                          "recompute_after_s": reuse.recompute_after_s, "cache_s": reuse.cache_s, "generated": new,
                          "recompute_tokens_per_s": prefill_tps, "recompute_doubling_tokens": doubling,
                          "recompute_tokens_per_s_told": reuse.recompute_tokens_per_s_told,
-                         "deadline_missed": reuse.end.deadline_missed if reuse.end else None, "chunks": _per_chunk(reuse)})
+                         "deadline_missed": reuse.end.deadline_missed if reuse.end else None,
+                         "stage_s": reuse.end.timings if reuse.end else None,  # the daemon's: total, receive, decode, fill
+                         "chunks": _per_chunk(reuse)})
             log(f"  {bw:g} Mbit/s {method}: TTFT {reuse.ttft_s:.2f} s, {reuse.bytes / 1e6:.1f} MB, "
                 f"levels {','.join(reuse.levels)}, Δppl {quality_cache[key]:+.2f}%, tokens match {new == reference}")
     h.a.client().delete_context(put["keys"][-1])

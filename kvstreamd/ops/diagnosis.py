@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kvstreamd.store.store import Store
 
 WINDOW_S = 3600  # "in the last hour"
-PROBE_BYTES = Probe().size  # what a sender probes a new link with: large enough to see past a socket buffer
+PROBE_BYTES = Probe().size  # the largest probe a sender measures a link with: large enough to see past a socket buffer
 MIN_PROBE_BYTES = MIN_SAMPLE_BYTES  # smaller measures latency, not bandwidth
 MAX_PROBE_BYTES = 16 * 2**20  # per peer: a diagnosis must not be a load test
 PROBE_TIMEOUT_S = 5.0

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from transport import traces
-from transport.bandwidth import BandwidthEstimator, PeerBandwidth, Probe
+from transport.bandwidth import PROBE_ENOUGH_S, PROBES, BandwidthEstimator, PeerBandwidth, Probe
 from transport.messages import Ack, Fetch
 from codec import catalog
 from transport.policy import NEAR_LOSSLESS_DPPL, TEXT, Choice, Situation, adaptive_rule, cachegen_rule, text_seconds
@@ -509,7 +509,8 @@ async def test_send_chunks_probes_a_new_link_then_sends_every_chunk_in_order_and
         served, sizes, lambda i, lv: bytes([i]) * sizes[lv][i], lambda i: [i] * 1024,
         fixed([TEXT, "high", "high", TEXT]), est, work, {"high": 0.0, TEXT: 0.0},
         on_sent=lambda i, lv, n: after.append((i, lv, n)), before_send=lambda i, lv: before.append((i, lv)))
-    assert served.peer.probes == [Probe().size]  # no history: probed first
+    # no history: probed first; 100 Mbit/s crosses the small probe too fast to trust, so the large one follows
+    assert served.peer.probes == [p.size for p in PROBES]
     assert [(i, lv) for i, lv, _ in served.written] == [(0, TEXT), (1, "high"), (2, "high"), (3, TEXT)]
     assert served.written[0][2] == [0] * 1024 and served.written[1][2] == bytes([1]) * 300_000
     assert before == [(i, lv) for i, lv, _ in served.written] == [(i, lv) for i, lv, _ in after]
@@ -630,8 +631,25 @@ async def test_send_chunks_probes_a_link_whose_history_is_stale_and_forgets_that
     assert est.stale(then + 2 * est.stale_s) and not est.stale(then + 1.0)
     await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1], adaptive_rule,
                       est, work, {"high": 0.0, TEXT: 0.0})
-    assert served.peer.probes == [Probe().size] and len(served.written) == 2
+    # 20 Mbit/s takes over PROBE_ENOUGH_S to cross the small probe: it alone is the measurement
+    assert served.peer.probes == [PROBES[0].size] and len(served.written) == 2
     assert est.estimate() == pytest.approx(mbit(20), rel=0.05), est.samples
+
+
+@pytest.mark.parametrize("bandwidth, rtt, sent", [
+    (mbit(5), 0.0, 1), (mbit(20), 0.0, 1), (mbit(20), 0.1, 1),
+    (mbit(100), 0.0, 2), (mbit(1000), 0.0, 2), (mbit(1000), 0.1, 2)])
+async def test_a_slow_link_is_measured_by_the_small_probe_and_a_fast_one_by_both(bandwidth, rtt, sent):
+    """The small probe counts where its bytes take PROBE_ENOUGH_S to cross, the round trip taken
+    off: a 100 ms round trip does not make 1 Gbit/s look slow enough to trust it."""
+    served = FakeServedFetch(1, bandwidth, rtt=rtt)
+    sizes, work = _send_sizes(1)
+    est = BandwidthEstimator()
+    await send_chunks(served, sizes, lambda i, lv: bytes(sizes[lv][i]), lambda i: [1], fixed(["high"]),
+                      est, work, {"high": 0.0, TEXT: 0.0})
+    assert served.peer.probes == [p.size for p in PROBES[:sent]]
+    assert (PROBES[0].size / bandwidth >= PROBE_ENOUGH_S) == (sent == 1)
+    assert est.samples[0] == pytest.approx(bandwidth, rel=0.1)
 
 
 async def test_send_chunks_counts_the_deadline_from_the_fetchs_arrival():
