@@ -3,9 +3,10 @@
 API and the sender's level choice all read this one table; a name missing here is not a level.
 
 Costs are measured on SmolLM2-135M-Instruct over WikiText-2 test.txt (docs/benchmarks.md,
-`kvstreamd bench codec`): the defaults. A profile carries its own model's measured costs
-(`meta["level_dppl"]`), which win for that model's chunks; the policy gets them as data
-(`dppl_table`), never from its own copy."""
+`kvstreamd bench codec`): the defaults. A profile carries its own model's costs
+(`meta["level_dppl"]`: the expected Δppl, 100 x a continuation's KL on the kind of text where the
+level costs most, kvstreamd.lab.calibrate.level_costs), which win for that model's chunks; the
+policy gets them as data (`dppl_table`), never from its own copy."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,9 +83,10 @@ def dppl_table(levels: Iterable[str], measured: dict[str, float] | None = None) 
     """level -> Δppl % for these levels plus TEXT (recompute is exact): what a rule weighs.
     `measured`: a model's own figures (its profile's level_dppl), where it has them."""
     own = measured or {}
-    # A model's own figures and the catalog's come from different measurements (its calibration's
-    # held-out text; SmolLM2 on 768 tokens), each noisy to tenths of a point. Where the model has its
-    # own, a level it has none for (a baseline) counts as no better than its best own level: int8's
+    # A model's own figures and the catalog's come from different measurements (the expected Δppl
+    # from KL on its calibration text; Δppl of SmolLM2 on 768 tokens, noisy to tenths of a point).
+    # Where the model has its own, a level it has none for (a baseline) counts as no better than
+    # its best own level: int8's
     # catalog 0.0 against SmolLM2 high's own 0.08 made every chunk of a 1000 Mbit/s fetch int8 (2.7x
     # high's bytes) for a difference neither measurement can tell, where a mix of the two keeps both
     # the wire and the decoder busy.

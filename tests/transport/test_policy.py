@@ -248,6 +248,25 @@ def test_a_rule_behind_its_deadline_bets_on_the_link_only_as_far_as_the_link_has
         Situation(**{**s.__dict__, "peak_bandwidth": 0.0})
 
 
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_a_lost_deadline_on_a_steady_slow_link_plans_text_and_high_at_a_shipped_profiles_costs(model):
+    # A shipped profile's expected costs put `high` within NEAR_LOSSLESS_DPPL of exact and
+    # `balanced` past it: 16 chunks at 20 Mbit/s with a lost deadline go as a TEXT head and a
+    # `high` tail. Priced by their measured Δppl (0.08 / 0.097 for SmolLM2), `balanced` tails
+    # went out, and cost +1.1% to +1.6% Δppl on bench e2e documents.
+    from codec.profile import Profile
+    from codec.registry import SHIPPED_DIR
+
+    own = Profile.load(SHIPPED_DIR / f"{model}.kvprofile").meta["level_dppl"]
+    s = situation(16, mbit(20), -1.0, ladder=("high", "balanced", "fast", "int8", TEXT))
+    s = Situation(**{**s.__dict__, "dppl": catalog.dppl_table(list(s.sizes), own)})
+    assert s.dppl["high"] <= NEAR_LOSSLESS_DPPL < s.dppl["balanced"] < s.dppl["fast"]
+    choice = adaptive_rule(s)
+    plan = choice.reason.split(": ", 1)[1].split(" in ")[0]
+    assert "deadline lost" in choice.reason and "xtext" in plan and "xhigh" in plan, choice.reason
+    assert "balanced" not in plan and "fast" not in plan, choice.reason
+
+
 @pytest.mark.parametrize("rate", [20, 100])
 def test_adaptive_rule_after_a_lost_deadline_finishes_near_lossless_the_quickest_way(rate):
     # Of the plans within NEAR_LOSSLESS_DPPL of the best quality, the fastest: not every chunk
