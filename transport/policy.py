@@ -200,6 +200,10 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
          link, whose samples sit at its estimate, gives no such hope: betting quality on it
          sent `fast` chunks for nothing on a 20 Mbit/s tbf link (+2.4% Δppl on an e2e document).
       3. Not even then: the deadline is lost and lower quality cannot save it, so the fastest
+         (at the bandwidth estimate itself: with no deadline left to keep, the safety discount,
+         which falls on the link alone, would only price every KV chunk against a TEXT head too
+         high -- at 20 Mbit/s, 8192 tokens, a head of 12 TEXT chunks took 10-11 s of prefill
+         beside a tail the link carried in 7.7 s)
          of the plans whose every level is within `near` Δppl points of the best level -- a
          late but lossless finish, as
          with CacheGen's TEXT fallback, but by the quickest lossless way (a plan all TEXT, at
@@ -211,12 +215,12 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
     cost = np.array([s.dppl[lv] for lv in levels])
     quality = np.round(counts @ cost / n, 9)
     texts = counts[:, levels.index(TEXT)] if TEXT in levels else np.zeros(len(counts))
-    safe = s.bandwidth * safety
-    done, order = _finish(s, counts, safe)
+    at = s.bandwidth * safety  # the bandwidth plans are timed at
+    done, order = _finish(s, counts, at)
     fits = done <= s.deadline_s
     if fits.any():
         fits &= quality <= quality[fits].min() + near
-        keys = (_finish(s, counts, safe * stress)[0], done, quality, texts)
+        keys = (_finish(s, counts, at * stress)[0], done, quality, texts)
         verdict = "fits"
     elif (_finish(s, counts, _hope(s, optimism))[0] <= s.deadline_s).any():
         fits[:], keys, verdict = True, (quality, done), "behind, fastest plan"
@@ -225,6 +229,8 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
         # under `near` but costs the tokens that read them (+1.45% Δppl at 20 Mbit/s, bench e2e)
         worst = np.where(counts > 0, cost, -np.inf).max(axis=1)
         fits = worst <= cost.min() + near
+        at = s.bandwidth
+        done, order = _finish(s, counts, at)
         keys, verdict = (quality, done), "deadline lost, best quality"
     candidates = np.flatnonzero(fits)
     best = candidates[np.lexsort(tuple(k[candidates] for k in keys))[0]]
@@ -232,7 +238,7 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
     plan = " + ".join(f"{counts[best, j]:g}x{levels[j]}" for j in used)
     return Choice(levels[used[0]], float(done[best]),
                   f"{verdict} ({s.deadline_s:.2f} s left): {plan} in {done[best]:.2f} s at "
-                  f"{_mbit(safe)}, mean Δppl {quality[best]:.2f}%")
+                  f"{_mbit(at)}, mean Δppl {quality[best]:.2f}%")
 
 
 def _hope(s: Situation, optimism: float) -> float:

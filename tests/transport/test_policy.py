@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import statistics
 
+import numpy as np
 import pytest
 
 from transport import traces
@@ -265,6 +266,17 @@ def test_a_lost_deadline_on_a_steady_slow_link_plans_text_and_high_at_a_shipped_
     plan = choice.reason.split(": ", 1)[1].split(" in ")[0]
     assert "deadline lost" in choice.reason and "xtext" in plan and "xhigh" in plan, choice.reason
     assert "balanced" not in plan and "fast" not in plan, choice.reason
+
+
+def test_a_lost_deadline_splits_head_and_tail_at_the_estimate_whatever_the_safety_discount():
+    # With no deadline left to keep, the discount on the link (safety) must not move the split
+    # between a TEXT head and a KV tail: on the link alone, it priced a 20 Mbit/s, 8192-token
+    # tail 11% slow and planned 12 TEXT chunks (10-11 s) beside a tail carried in 7.7 s.
+    s = situation(16, mbit(20), -1.0, ladder=("high", TEXT))
+    s = Situation(**{**s.__dict__, "work_s": {**s.work_s, TEXT: 1.1 * np.mean(s.sizes["high"]) / mbit(20)}})
+    plans = {safety: adaptive_rule(s, safety=safety).reason.split(": ", 1)[1].split(" in ")[0]
+             for safety in (1.0, 0.9, 0.6)}
+    assert len(set(plans.values())) == 1 and "xtext" in plans[1.0] and "xhigh" in plans[1.0], plans
 
 
 @pytest.mark.parametrize("rate", [20, 100])
