@@ -184,12 +184,15 @@ def _quality(lm, kv, doc: list[int], cont: list[int], ref_ppl: float) -> float:
 
 
 def _per_chunk(reuse) -> list[dict]:
+    """Each chunk's level, kind and bytes, when the daemon had it (`arrived_ms`, `ready_ms`: its
+    clock, from its fetch's start) and when the model process read its event (`seen_ms`: from
+    the request), and the rate its bytes were seen at."""
     out, prev = [], 0.0
-    for e in reuse.events:
+    for e, seen in zip(reuse.events, reuse.seen_s):
         arrived = e.arrived_ms or e.t_ms
         dt = max(arrived - prev, 1e-3)
         out.append({"i": e.i, "level": e.level, "kind": e.kind, "bytes": e.bytes, "arrived_ms": arrived,
-                    "ready_ms": e.t_ms, "seen_mbit": round(e.bytes * 8 / 1e6 / (dt / 1000), 2) if e.kind == "kv" else None})
+                    "ready_ms": e.t_ms, "seen_ms": round(seen * 1000, 1), "seen_mbit": round(e.bytes * 8 / 1e6 / (dt / 1000), 2) if e.kind == "kv" else None})
         prev = arrived
     return out
 
@@ -252,6 +255,7 @@ def one_context(lm, h: Hosts, doc: list[int], cont: list[int], bandwidths: list[
                          "recompute_tokens_per_s_told": reuse.recompute_tokens_per_s_told,
                          "deadline_missed": reuse.end.deadline_missed if reuse.end else None,
                          "stage_s": reuse.end.timings if reuse.end else None,  # the daemon's: total, receive, decode, fill
+                         "end_seen_s": reuse.end_seen_s,  # when the model process read the end event
                          "chunks": _per_chunk(reuse)})
             log(f"  {bw:g} Mbit/s {method}: TTFT {reuse.ttft_s:.2f} s, {reuse.bytes / 1e6:.1f} MB, "
                 f"levels {','.join(reuse.levels)}, Δppl {quality_cache[key]:+.2f}%, tokens match {new == reference}")

@@ -46,7 +46,9 @@ class Reuse:
     text_tokens: int = 0  # of which this process recomputed (TEXT chunks)
     text_ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each, in prompt order
     events: list[ChunkEvent] = field(default_factory=list)
+    seen_s: list[float] = field(default_factory=list)  # when this process read each event, from the request
     end: End | None = None  # the daemon's end event (timings, levels, bytes, errors)
+    end_seen_s: float | None = None  # when it read the end event, from the request
     fetch_s: float = 0.0  # from the request to the last chunk in the buffer
     recompute_s: float = 0.0  # TEXT chunks, run here (while the fetch streams the rest)
     recompute_after_s: float = 0.0  # of it, the seconds after the fetch's last chunk: what the stream did not hide
@@ -194,6 +196,7 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
             copied = np.zeros(src.tokens if src is not None else 0, bool)  # KV chunks, and TEXT ones (recompute's)
             for ev in f:
                 reuse.events.append(ev)
+                reuse.seen_s.append(time.perf_counter() - t0)
                 if kv is not None and ev.kind == "kv":
                     kv.copy_tokens_(src, ev.start, ev.end)
                     copied[ev.start:ev.end] = True
@@ -205,6 +208,7 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
                 if on_chunk is not None:
                     on_chunk(ev)
             reuse.end = f.end
+            reuse.end_seen_s = time.perf_counter() - t0
             reuse.found_tokens = f.found_tokens
             if kv is not None:  # what no chunk brought is the buffer's, as it stands
                 for start, end in _runs(~copied):

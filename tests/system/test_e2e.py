@@ -27,6 +27,10 @@ def test_short_demo_end_to_end(tmp_path):
     assert by["kvstreamd"]["dppl_pct"] < 2.0
     assert by["kvstreamd"]["bytes"] < by["int8"]["bytes"] < by["fp16"]["bytes"]
     assert runs["fp16"]["tokens_match"]  # lossless KV answers exactly as recompute does
+    for m in ("fp16", "int8", "kvstreamd"):  # when the model process read each event, and the end after them
+        seen = [c["seen_ms"] for c in runs[m]["chunks"]]
+        assert len(seen) == 3 and seen == sorted(seen) and 0 < seen[-1] <= runs[m]["end_seen_s"] * 1000, runs[m]
+        assert runs[m]["end_seen_s"] <= runs[m]["fetch_s"] and runs[m]["stage_s"]["total_s"] > 0
     assert all(r["ttft_s"] > 0 for r in report["results"])
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert "kvstreamd" in out.stdout and "TTFT" in out.stdout
