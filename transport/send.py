@@ -66,15 +66,14 @@ async def _probe(peer, estimator: BandwidthEstimator) -> None:
     always counts), and feed that one to `estimator`. The first goes beside a PING, one round
     trip for both (its PONG comes back first, the probe's ack after its bytes), whose time is
     taken off every probe's."""
-    rtt = None
-    for probe in PROBES:
-        if rtt is None:
-            rtt, (sent_at, acked_at) = await asyncio.gather(peer.ping(), peer.probe(probe.size))
-        else:
-            sent_at, acked_at = await peer.probe(probe.size)
-        if probe is PROBES[-1] or probe.crossing_s(sent_at, acked_at, rtt) >= PROBE_ENOUGH_S:
-            probe.record(estimator, sent_at, acked_at, rtt=rtt)
-            return
+    probe = PROBES[0]
+    rtt, (sent_at, acked_at) = await asyncio.gather(peer.ping(), peer.probe(probe.size))
+    for larger in PROBES[1:]:
+        if probe.crossing_s(sent_at, acked_at, rtt) >= PROBE_ENOUGH_S:
+            break
+        probe = larger
+        sent_at, acked_at = await peer.probe(probe.size)
+    probe.record(estimator, sent_at, acked_at, rtt=rtt)
 
 
 async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
@@ -94,8 +93,9 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     `sizes[level][i]` is chunk i's size at each level on offer (TEXT among them if allowed),
     `payload_of(i, level)` its encoded bytes, `text_of(i)` its token ids; `work_s` and `dppl`
     are what each level costs the fetcher in seconds and in quality. A peer whose link has
-    no history (`estimator.needs_probe`), or none lately (`stale`), is probed first with a
-    padded PING (and a plain PING for the round trip, both on the wire at once). Chunks go in
+    no history (`estimator.needs_probe`), or none lately (`stale`), is probed first with
+    padded PINGs (`_probe`: the smallest of PROBES that is slow enough to time, and a plain
+    PING for the round trip beside the first). Chunks go in
     order, up to a window of them on the wire at once (window_chunks: the bandwidth-delay
     product from the estimate and the connection's RTT, recomputed before each chunk; `window` fixes it instead): each chunk's
     level is chosen just before it is written, from every ACK received by then.
