@@ -17,7 +17,8 @@ ok, why = netns.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
 
 MODEL = "synthetic-test-model"
-TOKENS = 4096  # 16 chunks of 256 tokens, ~49 kB each at fp16: ~1.6 s from one holder at 4 Mbit/s
+TOKENS = 8192  # 32 chunks of 256 tokens, ~49 kB each at fp16: ~3.2 s from one holder at 4 Mbit/s
+CHUNKS = TOKENS // 256
 LEVEL = "fp16"
 
 
@@ -57,17 +58,20 @@ def test_one_context_comes_from_three_holders_at_once_and_a_killed_holder_costs_
                      timeout=30, what="the fetcher to learn every holder's keys")
 
             events, end = fetch(fetcher, tokens)
-            assert [ev.kind for ev in events] == ["kv"] * 16 and end.errors == []
-            assert [ev.i for ev in events] == list(range(16))  # handed over in order
+            assert [ev.kind for ev in events] == ["kv"] * CHUNKS and end.errors == []
+            assert [ev.i for ev in events] == list(range(CHUNKS))  # handed over in order
             by = {h.name: sum(ev.source == h.name for ev in events) for h in holders}
             assert all(n >= 3 for n in by.values()), by  # every link carried a share
 
             victim = holders[1]
-            events, end = fetch(fetcher, tokens, kill=victim, after_chunks=3)
-            assert [ev.kind for ev in events] == ["kv"] * 16, [(ev.i, ev.kind, ev.source, ev.error) for ev in events]
+            events, end = fetch(fetcher, tokens, kill=victim, after_chunks=2)
+            assert [ev.kind for ev in events] == ["kv"] * CHUNKS, [(ev.i, ev.kind, ev.source, ev.error) for ev in events]
             assert {ev.level for ev in events} == {LEVEL}
             assert any(victim.name in e for e in end.errors), end.errors
-            assert sum(ev.source == victim.name for ev in events) < 16 // 3  # the rest came from the others
+            # The rest of its share came from the others. What it had written before it died still
+            # lands (its kernel send buffer and the link's 200 ms tbf queue, ~300 kB, ~6 chunks), so
+            # it is killed early in a fetch whose fair share per holder (~11) is larger than that.
+            assert sum(ev.source == victim.name for ev in events) < CHUNKS // 3, by
         finally:
             for n in nodes:
                 n.kill()
