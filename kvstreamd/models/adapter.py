@@ -27,14 +27,15 @@ import torch
 
 from codec.layout import Layout, PrefixKV
 
-from . import registry, weights
+from . import attention, registry, weights
 from .spec import ModelSpec
 from .tokenizer import Tokenizer
 
 # Both "eager" and "sdpa" make logits on an injected cache agree with one long pass to ~5e-5
 # (fp32 GEMM rounding differs with the number of query rows; not bit-identical with either),
 # and sdpa is the faster on CPU: 2,048 SmolLM2 tokens in 7 s on one core where eager takes 18 s.
-ATTN_IMPLEMENTATION = "sdpa"
+# Models load with sdpa whose grouped queries are packed per KV head (attention.py).
+ATTN_IMPLEMENTATION = attention.NAME
 # Bounds peak memory of one forward pass: the logits of a block are block x vocab fp32.
 PREFILL_BLOCK = 2048
 INVERTIBLE_ROPE = ("default", "linear", "yarn", "llama3")  # angles fixed per position
@@ -108,6 +109,7 @@ def load(model: str | Path | None = None, cache_dir: str | Path | None = None) -
     root = Path(cache_dir) if cache_dir is not None else weights.cache_dir()
     mid = model_id(model, root)
     folder = plain_folder(spec, mid, root)
+    attention.register()
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
     lm.eval()
     cfg = lm.config

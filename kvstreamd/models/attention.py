@@ -1,0 +1,50 @@
+"""The attention the adapter loads models with: transformers' "sdpa", with the queries of a
+grouped-query model packed per KV head where transformers would copy the keys and values.
+
+On a CPU, transformers' sdpa hands torch grouped-query attention only without a mask, so a
+block of tokens run on a cache (a TEXT chunk after the prefix, the question after a fetched
+context) first copies every layer's cached K and V once per query head sharing them
+(`repeat_kv`: 3x for SmolLM2, 4x for Gemma-3-270M). Packing the queries instead, as
+transformers itself does for a single token (`pack_gqa`), attends over the cache as it lies:
+the same sums, bit for bit on SmolLM2, and the e2e question's 19 tokens on a 4096-token cache
+in 0.19 s where the copies take 0.26 s (8192: 0.27 s against 0.39 s; two cores,
+docs/benchmarks.md)."""
+from __future__ import annotations
+
+import torch
+
+NAME = "kvstreamd_sdpa"
+
+
+def sdpa_packed(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                is_causal: bool | None = None, **kwargs):
+    """transformers' attention-function signature: query [B, Hq, q, D], key and value
+    [B, Hkv, k, D]; returns ([B, q, Hq, D], None). Anything but a block of several queries over
+    a mask that every head shares goes to transformers' sdpa unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, heads, q, d = query.shape
+    if (groups == 1 or q == 1 or attention_mask is None or attention_mask.shape[1] != 1
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("output_attentions", False)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    # query head h reads KV head h // groups: rows [kv head, group member, token]
+    packed = query.reshape(b, heads // groups, groups * q, d)
+    mask = attention_mask[:, :, :, : key.shape[2]].repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask,
+                                                           dropout_p=dropout, scale=scaling)
+    return out.reshape(b, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make NAME known to transformers (idempotent), with sdpa's masks; returns it, for
+    from_pretrained. (Without a mask function of its own a name gets no mask at all.)"""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, sdpa_packed)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return NAME
