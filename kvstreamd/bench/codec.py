@@ -3,7 +3,10 @@ real model, on the held-out split (test.txt) of each kind of text (`kvstreamd.la
 WikiText-2, licence texts, Python source), contexts taken from well-separated parts of the file.
 
 Quality is measured by running continuation tokens on top of the decompressed cache and
-comparing with the exact cache: perplexity, KL of next-token distributions, top-1 agreement.
+comparing with the exact cache: perplexity, KL of next-token distributions, top-1 agreement;
+and `prefix_kl`, what a prompt that ends at a chunk boundary inside the context sees (a context
+is found by its prefix): the KL of the context's own `continuation` tokens after each boundary,
+on the chunks before it, decoded (mean and worst over the boundaries and contexts).
 Speeds are per core (one process, one thread) and with all cores (a CodecPool).
 """
 from __future__ import annotations
@@ -66,7 +69,8 @@ def _coder(name: str, profile):
 
 def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_tokens: int, profile, log) -> list:
     """Up to `contexts` held-out contexts of the kind (fewer when its test.txt holds fewer):
-    (KV, continuation, exact logits, each chunk's cost (rate_probe), seconds the probes took)."""
+    (KV, continuation, exact logits, each chunk's cost (rate_probe), seconds the probes took,
+    [(a chunk boundary inside the context, the tokens after it, their exact logits)])."""
     length = tokens + continuation + 1
     n = min(contexts, corpus.fit(lm.tokenizer, "test", length, kind))
     if n < 1:
@@ -79,23 +83,25 @@ def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_t
         _, kv = models.prefill(lm, w[:tokens], all_logits=False)
         cont = w[tokens:]
         ref = models.continuation_logits(lm, kv, cont[:-1])
+        prefixes = [(cut, w[cut:cut + continuation], models.continuation_logits(lm, kv[:, :, :cut], w[cut:cut + continuation]))
+                    for cut in range(chunk_tokens, tokens, chunk_tokens) if cut + continuation <= tokens]
         kv = kv.to(torch.float16)
         t0 = time.perf_counter()
         costs = rate_probe.chunk_costs(lm, w[:tokens], kv, chunk_tokens, profile)
-        cases.append((kv, cont, ref, costs, time.perf_counter() - t0))
+        cases.append((kv, cont, ref, costs, time.perf_counter() - t0, prefixes))
     return cases
 
 
 def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: int, log) -> tuple[float, list[dict]]:
     """(exact-cache perplexity, one row per scheme) over one kind's cases."""
-    exact_ppl = statistics.mean(quality.perplexity(ref, torch.tensor(cont[1:])) for _, cont, ref, _, _ in cases)
+    exact_ppl = statistics.mean(quality.perplexity(ref, torch.tensor(cont[1:])) for _, cont, ref, *_ in cases)
     results = []
     for name in schemes:
         coder = _coder(name, profile)
         nbytes = elements = 0
         enc_rates, dec_rates, pool_enc, pool_dec = [], [], [], []
-        ppls, kls, top1, chosen = [], [], [], []
-        for kv, cont, ref, costs, _ in cases:
+        ppls, kls, top1, chosen, prefix_kls = [], [], [], [], []
+        for kv, cont, ref, costs, _, prefixes in cases:
             parts, encoded = [], []
             if isinstance(coder, _Ours):
                 coder.for_case(costs)
@@ -134,7 +140,10 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: i
                     raise AssertionError(f"{name}: the pool's result differs from the single-process codec")
                 pool_enc.append(mb / (t1 - t0))
                 pool_dec.append(mb / (t2 - t1))
-            logits = models.continuation_logits(lm, torch.cat(parts, 2), cont[:-1])
+            decoded_kv = torch.cat(parts, 2)
+            logits = models.continuation_logits(lm, decoded_kv, cont[:-1])
+            prefix_kls += [quality.kl(exact, models.continuation_logits(lm, decoded_kv[:, :, :cut], ids))
+                           for cut, ids, exact in prefixes]
             ppls.append(quality.perplexity(logits, torch.tensor(cont[1:])))
             kls.append(quality.kl(ref, logits))
             top1.append(quality.top1_agreement(ref, logits))
@@ -144,6 +153,8 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: i
              "ratio_vs_int8": None,  # filled in once int8's size is known
              "ppl": round(ppl, 4), "ppl_delta_pct": round(100 * (ppl / exact_ppl - 1), 3),
              "top1_agreement": round(statistics.mean(top1), 4), "kl": round(statistics.mean(kls), 6),
+             "prefix_kl": round(statistics.mean(prefix_kls), 6) if prefix_kls else None,
+             "prefix_kl_max": round(max(prefix_kls), 6) if prefix_kls else None,
              "encode_MBps": round(statistics.median(enc_rates), 1),
              "decode_MBps": round(statistics.median(dec_rates), 1),
              "encode_MBps_all_cores": round(statistics.median(pool_enc), 1) if pool_enc else None,
@@ -200,14 +211,15 @@ def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_to
 def table(report: dict, kind: str | None = None) -> str:
     """Every scheme's row on one kind of text (default: the report's first)."""
     results = report["texts"][kind]["results"] if kind else report["results"]
-    head = ("| scheme | bits/elem | x fp16 | x int8 | ppl | Δppl | top-1 | KL | enc MB/s/core | dec MB/s/core "
-            "| enc MB/s all cores | dec MB/s all cores |")
-    rows = [head, "|" + "---|" * 12]
+    head = ("| scheme | bits/elem | x fp16 | x int8 | ppl | Δppl | top-1 | KL | prefix KL (worst) | enc MB/s/core "
+            "| dec MB/s/core | enc MB/s all cores | dec MB/s all cores |")
+    rows = [head, "|" + "---|" * 13]
     for r in results:
         x_int8 = f"{r['ratio_vs_int8']:.2f}" if r["ratio_vs_int8"] else "-"
+        prefix = f"{r['prefix_kl']:.5f} ({r['prefix_kl_max']:.5f})" if r.get("prefix_kl") is not None else "-"
         rows.append(f"| {r['scheme']} | {r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f} | "
                     f"{x_int8} | {r['ppl']:.3f} | {r['ppl_delta_pct']:+.2f}% | "
-                    f"{r['top1_agreement']:.4f} | {r['kl']:.5f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} | "
+                    f"{r['top1_agreement']:.4f} | {r['kl']:.5f} | {prefix} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} | "
                     f"{r['encode_MBps_all_cores'] or '-'} | {r['decode_MBps_all_cores'] or '-'} |")
     return "\n".join(rows)
 

@@ -221,6 +221,9 @@ def test_bench_codec_command_writes_its_json(tmp_path, shipped):
             assert set(r) >= {"scheme", "bits_per_element", "ratio_vs_fp16", "ratio_vs_int8", "ppl", "ppl_delta_pct",
                               "top1_agreement", "kl", "encode_MBps", "decode_MBps"}
         assert by["fp16"]["kl"] < 1e-4 and by["cachegen:fast"]["ratio_vs_fp16"] > 5
+        # a prompt ending at the chunk boundary inside the context (256 of 384 tokens)
+        assert by["fp16"]["prefix_kl"] < 1e-4
+        assert 1e-4 < by["cachegen:fast"]["prefix_kl"] <= by["cachegen:fast"]["prefix_kl_max"]
         spread = by["cachegen:fast"]["chunk_scales"]  # each chunk's scale over the level's one
         assert 0 < spread["min"] <= spread["median"] <= spread["max"] and by["int8"]["chunk_scales"] is None
         assert t["probe_s"] > 0
@@ -228,6 +231,7 @@ def test_bench_codec_command_writes_its_json(tmp_path, shipped):
     assert (tmp_path / "plot.png").stat().st_size > 1000
     assert "cachegen:fast" in proc.stdout and "legal test contexts" in proc.stdout
     assert "| scheme | wikitext: KL | Δppl | x fp16 | legal: KL" in proc.stdout
+    assert "| prefix KL (worst) |" in proc.stdout
 
 
 def test_bench_codec_codes_with_the_profile_named(tmp_path, shipped):
