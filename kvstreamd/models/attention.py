@@ -2,10 +2,10 @@
 grouped-query model packed per KV head where transformers would copy the keys and values.
 
 On a CPU, transformers' sdpa hands torch grouped-query attention only without a mask, so a
-block of tokens run on a cache (a TEXT chunk after the prefix, the question after a fetched
-context) first copies every layer's cached K and V once per query head sharing them
-(`repeat_kv`: 3x for SmolLM2, 4x for Gemma-3-270M). Packing the queries instead, as
-transformers itself does for a single token (`pack_gqa`), attends over the cache as it lies:
+block of tokens run on a cache (the question after a fetched context) first copies every
+layer's cached K and V once per query head sharing them (`repeat_kv`: 3x for SmolLM2, 4x for
+Gemma-3-270M). Packing a short block's queries instead, as transformers itself does for a single
+token (`pack_gqa`), attends over the cache as it lies:
 the same sums, bit for bit on SmolLM2, and the e2e question's 19 tokens on a 4096-token cache
 in 0.19 s where the copies take 0.26 s (8192: 0.27 s against 0.39 s; two cores,
 docs/benchmarks.md)."""
@@ -14,19 +14,24 @@ from __future__ import annotations
 import torch
 
 NAME = "kvstreamd_sdpa"
+# Blocks of at most this many queries are packed. The copies packing saves grow with the cache
+# alone, the mask rows it repeats with the block too: on a 4096-token SmolLM2 cache, packing saved
+# 0.09-0.12 s for blocks of 19-128 tokens and nothing at 256, and a 2048-token block (a prefill's
+# second) ran 0.2-1.0 s slower packed.
+PACK_MAX_QUERIES = 128
 
 
 def sdpa_packed(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                 is_causal: bool | None = None, **kwargs):
     """transformers' attention-function signature: query [B, Hq, q, D], key and value
-    [B, Hkv, k, D]; returns ([B, q, Hq, D], None). Anything but a block of several queries over
-    a mask that every head shares goes to transformers' sdpa unchanged."""
+    [B, Hkv, k, D]; returns ([B, q, Hq, D], None). Anything but a block of 2 to PACK_MAX_QUERIES
+    queries over a mask that every head shares goes to transformers' sdpa unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q, d = query.shape
-    if (groups == 1 or q == 1 or attention_mask is None or attention_mask.shape[1] != 1
+    if (groups == 1 or not 1 < q <= PACK_MAX_QUERIES or attention_mask is None or attention_mask.shape[1] != 1
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
             or kwargs.get("output_attentions", False)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

@@ -40,7 +40,7 @@ def _logits(model, impl: str, prefix: torch.Tensor, block: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize("make", [_llama, _gemma], ids=["llama", "gemma3"])
-@pytest.mark.parametrize("prefix,block", [(100, 19), (64, 64), (130, 1), (30, 25)])
+@pytest.mark.parametrize("prefix,block", [(100, 19), (64, 64), (130, 1), (30, 25), (40, 200)])
 def test_packed_queries_give_transformers_sdpa_logits_on_a_cache(make, prefix, block):
     model = make()
     ids = torch.randint(2, 300, (prefix + block,), generator=torch.Generator().manual_seed(prefix))
@@ -50,8 +50,9 @@ def test_packed_queries_give_transformers_sdpa_logits_on_a_cache(make, prefix, b
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), float((got - want).abs().max())
 
 
-def test_a_block_that_would_copy_the_cache_takes_the_packed_path(monkeypatch):
-    """The packed path is the one run for a block on a cache (not transformers' fallback)."""
+def test_a_short_block_on_a_cache_takes_the_packed_path_and_a_long_one_transformers(monkeypatch):
+    """The packed path is the one run for a question-sized block on a cache; a prefill's long
+    block (where packing is slower) goes to transformers' sdpa."""
     from transformers.integrations import sdpa_attention
 
     model, calls = _llama(), []
@@ -61,3 +62,7 @@ def test_a_block_that_would_copy_the_cache_takes_the_packed_path(monkeypatch):
     ids = torch.arange(2, 60)
     _logits(model, attention.NAME, ids[:40], ids[40:])
     assert calls == [1, 1]  # the prefix (no cache, causal without a mask) went to transformers'; the block did not
+    calls.clear()
+    long = torch.arange(2, 42 + attention.PACK_MAX_QUERIES + 1) % 300
+    _logits(model, attention.NAME, long[:40], long[40:])
+    assert calls == [1, 1, 1, 1]  # both layers, both blocks
