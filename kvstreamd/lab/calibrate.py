@@ -232,8 +232,9 @@ def crossing(tried: list[tuple[float, float]], goal: float) -> float:
     slope, intercept = np.polyfit(xs, ys, 1)
     if slope <= 0:
         return fallback
-    fitted = math.exp((math.log(goal) - intercept) / slope)
     ceiling = min([FIT_REACH * math.exp(xs.max()), *missed])  # never as coarse as a point that missed
+    # held in log space: a curve that barely grows crosses the goal absurdly far out
+    fitted = math.exp(min((math.log(goal) - intercept) / slope, math.log(ceiling)))
     return float(min(max(fitted, fallback if met else 0.0), ceiling))
 
 

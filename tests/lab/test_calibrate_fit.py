@@ -28,6 +28,11 @@ def test_a_fit_reaches_only_a_little_past_the_coarsest_point_tried():
     assert crossing(far, 2e-2) == pytest.approx(FIT_REACH * 1.2)
 
 
+def test_a_curve_that_barely_grows_gives_the_ceiling_not_an_overflow():
+    flat = [(1.0, 1e-3), (2.0, 1.0000001e-3)]  # a tiny random model's KL: it crosses 2e-2 at ~10**(10**7)
+    assert crossing(flat, 2e-2) == pytest.approx(FIT_REACH * 2.0)
+
+
 @pytest.mark.parametrize("tried,want", [
     ([(1.7, 1e-3)], 1.7),  # one point that met the goal
     ([(1.7, 5e-3)], 1.7),  # one point that missed it: the finest tried
