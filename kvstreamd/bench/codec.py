@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -67,10 +68,19 @@ def _coder(name: str, profile):
     return _Ours(level.removesuffix(FIXED), profile, not level.endswith(FIXED))
 
 
-def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_tokens: int, profile, log) -> list:
-    """Up to `contexts` held-out contexts of the kind (fewer when its test.txt holds fewer):
-    (KV, continuation, exact logits, each chunk's cost (rate_probe), seconds the probes took,
-    [(a chunk boundary inside the context, the tokens after it, their exact logits)])."""
+class _Case(NamedTuple):
+    """One held-out context, measured on the exact cache."""
+    kv: torch.Tensor  # fp16, as it is put
+    cont: list[int]  # the continuation's tokens
+    ref: torch.Tensor  # their exact logits
+    costs: list  # each chunk's cost (rate_probe)
+    probe_s: float  # seconds the probes took
+    prefixes: list  # (a chunk boundary inside the context, the tokens after it, their exact logits)
+
+
+def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_tokens: int, profile,
+           log) -> list[_Case]:
+    """Up to `contexts` held-out contexts of the kind (fewer when its test.txt holds fewer)."""
     length = tokens + continuation + 1
     n = min(contexts, corpus.fit(lm.tokenizer, "test", length, kind))
     if n < 1:
@@ -88,13 +98,14 @@ def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_t
         kv = kv.to(torch.float16)
         t0 = time.perf_counter()
         costs = rate_probe.chunk_costs(lm, w[:tokens], kv, chunk_tokens, profile)
-        cases.append((kv, cont, ref, costs, time.perf_counter() - t0, prefixes))
+        cases.append(_Case(kv, cont, ref, costs, time.perf_counter() - t0, prefixes))
     return cases
 
 
-def _measure(lm, profile, pool, schemes: list[str], cases: list, chunk_tokens: int, log) -> tuple[float, list[dict]]:
+def _measure(lm, profile, pool, schemes: list[str], cases: list[_Case], chunk_tokens: int, log
+             ) -> tuple[float, list[dict]]:
     """(exact-cache perplexity, one row per scheme) over one kind's cases."""
-    exact_ppl = statistics.mean(quality.perplexity(ref, torch.tensor(cont[1:])) for _, cont, ref, *_ in cases)
+    exact_ppl = statistics.mean(quality.perplexity(c.ref, torch.tensor(c.cont[1:])) for c in cases)
     results = []
     for name in schemes:
         coder = _coder(name, profile)
@@ -196,7 +207,7 @@ def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_to
             exact_ppl, results = _measure(lm, prof, pool, schemes, cases, chunk_tokens, log)
             per_text[kind] = {"title": corpus.get(kind).title, "split": "test", "contexts": len(cases),
                               "exact_ppl": round(exact_ppl, 4), "results": results,
-                              "probe_s": round(statistics.median(c[4] for c in cases), 3)}
+                              "probe_s": round(statistics.median(c.probe_s for c in cases), 3)}
     first = per_text[texts[0]]
     report = {"model": lm.model_id, "tokens": tokens, "contexts": contexts, "continuation": continuation,
               "chunk_tokens": chunk_tokens, "workers": workers, "text": texts[0],
