@@ -7,6 +7,7 @@ channel in groups of tokens, values per token in groups of channels) and zstd-fp
 from __future__ import annotations
 
 import struct
+import warnings
 import zlib
 
 import numpy as np
@@ -54,7 +55,40 @@ def _take(buf: memoryview, pos: int, n: int) -> tuple[memoryview, int]:
     return buf[pos:pos + n], pos + n
 
 
-class FP16:
+def _read_only(buf: memoryview, dtype) -> torch.Tensor:
+    """A tensor over `buf` as it lies (no copy), for reading only: torch warns that it cannot
+    write-protect it, and nothing here writes to it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.frombuffer(buf, dtype))
+
+
+def _check_out(shape: tuple[int, ...], out: torch.Tensor) -> None:
+    if tuple(out.shape) != tuple(shape):
+        raise CodecError(f"chunk is {list(shape)}, its destination {list(out.shape)}")
+
+
+class Scheme:
+    """A baseline scheme: encode a chunk's KV `[L, 2, T, H, D]` to bytes, decode them back."""
+
+    name: str
+    code: int
+
+    def encode(self, kv: torch.Tensor) -> bytes:
+        raise NotImplementedError
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_into(self, data: bytes | memoryview, out: torch.Tensor) -> None:
+        """decode(data), in out's dtype, written into `out` (a view of the chunk's shape, in a
+        receive buffer). CodecError, before any write, where the chunk is not of out's shape."""
+        got = self.decode(data)
+        _check_out(tuple(got.shape), out)
+        out.copy_(got)
+
+
+class FP16(Scheme):
     name, code = "fp16", 1
 
     def encode(self, kv: torch.Tensor) -> bytes:
@@ -65,9 +99,21 @@ class FP16:
         raw, _ = _take(p, 0, int(np.prod(shape)) * 2)
         return torch.from_numpy(np.frombuffer(raw, np.float16).copy()).view(shape).to(dtype)
 
+    def decode_into(self, data: bytes | memoryview, out: torch.Tensor) -> None:
+        """The fp16 values straight from the payload into `out` (one pass; decode() copies
+        twice). A chunk of another dtype than fp16 or fp32 goes the general way (its values
+        round to that dtype first)."""
+        shape, dtype, p = _unframe(data, self.code)
+        _check_out(shape, out)
+        if dtype not in (torch.float16, torch.float32):
+            return super().decode_into(data, out)
+        raw, _ = _take(p, 0, int(np.prod(shape)) * 2)
+        out.copy_(_read_only(raw, np.float16).view(shape))
+
 
 class ZstdFP16(FP16):
     name, code = "zstd-fp16", 2
+    decode_into = Scheme.decode_into
 
     def encode(self, kv: torch.Tensor) -> bytes:
         import zstandard  # here: a comparison baseline, not a dependency of decoding the levels
@@ -107,7 +153,7 @@ class ZstdFP16(FP16):
         return torch.from_numpy(np.frombuffer(raw, np.float16).copy()).view(shape).to(dtype)
 
 
-class Int8:
+class Int8(Scheme):
     """Per-token symmetric int8 over each (layer, K/V) token's H*D channels; fp16 scales."""
 
     name, code = "int8", 3
@@ -126,6 +172,25 @@ class Int8:
         scale = torch.from_numpy(np.frombuffer(s, np.float16).copy()).view(L, 2, T, 1).float()
         x = torch.from_numpy(np.frombuffer(q, np.int8).copy()).view(L, 2, T, H * D).float() * scale
         return x.view(shape).to(dtype)
+
+    def decode_into(self, data: bytes | memoryview, out: torch.Tensor) -> None:
+        """For an fp16 chunk into fp16 `out`: each value is q x scale written straight into out,
+        in one pass over the payload (decode() makes three fp32 temporaries and a copy). The
+        same values: q (|q| <= 127) times an fp16 scale is exact in fp32, so rounding it to
+        fp16 once is what decode() does."""
+        shape, dtype, p = _unframe(data, self.code)
+        _check_out(shape, out)
+        if not dtype == out.dtype == torch.float16:
+            return super().decode_into(data, out)
+        L, _, T, H, D = shape
+        s, pos = _take(p, 0, L * 2 * T * 2)
+        q, _ = _take(p, pos, L * 2 * T * H * D)
+        try:
+            dst = out.view(L, 2, T, H * D)  # each token's channels adjacent, as in any receive buffer
+        except RuntimeError:
+            return super().decode_into(data, out)
+        scale = _read_only(s, np.float16).view(L, 2, T, 1)
+        torch.mul(_read_only(q, np.int8).view(L, 2, T, H * D), scale, out=dst)
 
 
 def _pack2(q: np.ndarray) -> bytes:
@@ -146,7 +211,7 @@ def _asym2(x: torch.Tensor, dim: int) -> tuple[np.ndarray, torch.Tensor, torch.T
     return q.numpy(), lo16, scale16
 
 
-class Kivi2:
+class Kivi2(Scheme):
     """KIVI 2-bit: keys per channel over groups of 32 tokens, values per token over groups of
     32 channels, asymmetric with fp16 zero point and scale."""
 

@@ -74,6 +74,11 @@ class Part:
     start: int
     kv: torch.Tensor
     window: int | None = None  # the layers' window (None: they attend to every token)
+    # Tokens of free space after kv's last token, per head, in the heads-first tensor kv views
+    # (PrefixKV.empty_heads_first(room=...)): a model's cache made on this part appends the
+    # tokens run after the prefix there, in place (models.cache_from_kv). 0: none, or kv views
+    # a tensor whose next rows hold tokens of its own.
+    room: int = 0
 
 
 @dataclass
@@ -137,16 +142,20 @@ class PrefixKV:
         return PrefixKV(self.tokens, [Part(p.layers, p.start, p.kv.to(device=device, dtype=dtype, copy=copy), p.window)
                                       for p in self.parts])
 
-    def empty_heads_first(self, device=None, dtype=None) -> "PrefixKV":
+    def empty_heads_first(self, device=None, dtype=None, room: int = 0) -> "PrefixKV":
         """A PrefixKV of this one's parts, uninitialised, laid out heads-first in memory
         (`[Lg, 2, H, T, D]`, seen as `[Lg, 2, T, H, D]` like any part): the layout transformers'
         caches hold, so that a model's cache can take the tensors as they are
-        (models.cache_from_kv(..., copy=False)) rather than copy them once more."""
+        (models.cache_from_kv(..., copy=False)) rather than copy them once more. `room`: tokens
+        of space left after each head's rows (Part.room), where that cache appends the tokens
+        run after the prefix rather than copy the whole prefix into a longer tensor at each step."""
+        if room < 0:
+            raise ValueError(f"room for {room} tokens")
         parts = []
         for p in self.parts:
             L, _, T, H, D = p.kv.shape
-            hf = torch.empty((L, 2, H, T, D), dtype=dtype or p.kv.dtype, device=device or p.kv.device)
-            parts.append(Part(p.layers, p.start, hf.permute(0, 1, 3, 2, 4), p.window))
+            hf = torch.empty((L, 2, H, T + room, D), dtype=dtype or p.kv.dtype, device=device or p.kv.device)
+            parts.append(Part(p.layers, p.start, hf[:, :, :, :T].permute(0, 1, 3, 2, 4), p.window, room))
         return PrefixKV(self.tokens, parts)
 
     def copy_tokens_(self, src: "PrefixKV", start: int, end: int) -> None:
@@ -156,15 +165,16 @@ class PrefixKV:
             if hi > lo:
                 d.kv[:, :, lo:hi].copy_(s.kv[:, :, lo:hi])
 
-    def copy_heads_first(self, device=None, dtype=None) -> "PrefixKV":
+    def copy_heads_first(self, device=None, dtype=None, room: int = 0) -> "PrefixKV":
         """A copy, heads-first (empty_heads_first)."""
-        out = self.empty_heads_first(device, dtype)
+        out = self.empty_heads_first(device, dtype, room)
         out.copy_tokens_(self, 0, self.tokens)
         return out
 
     def prefix(self, n: int) -> "PrefixKV":
-        """The KV of the first n tokens: views. ValueError where a windowed group does not
-        hold the tokens the shorter prefix needs of it."""
+        """The KV of the first n tokens: views (with the parts' room where n is every token,
+        none where the rows after the n-th hold tokens). ValueError where a windowed group does
+        not hold the tokens the shorter prefix needs of it."""
         if not 0 < n <= self.tokens:
             raise ValueError(f"a prefix of {n} tokens of a {self.tokens}-token KV")
         parts = []
@@ -173,7 +183,8 @@ class PrefixKV:
             if p.start > need:
                 raise ValueError(f"layers {list(p.layers)} hold tokens from {p.start}; a {n}-token prefix "
                                  f"needs them from {need}")
-            parts.append(Part(p.layers, p.start, p.kv[:, :, :n - p.start], p.window))
+            parts.append(Part(p.layers, p.start, p.kv[:, :, :n - p.start], p.window,
+                              p.room if n == self.tokens else 0))
         return PrefixKV(n, parts)
 
 

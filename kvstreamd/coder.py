@@ -166,11 +166,10 @@ class Coder:
         """Blocking: decode into `out`, a view of `base` (the shared-memory segment `segment`
         as one tensor); the codec workers write there directly. CodecError as for decode()."""
         scheme = catalog.SCHEMES.get(level)
-        if scheme is None or not scheme.is_level:  # decode() refuses the one, codes the other in-process
-            kv = self.decode(level, payload)
-            if tuple(kv.shape) != tuple(out.shape):
-                raise CodecError(f"chunk is {list(kv.shape)}, its destination {list(out.shape)}")
-            out.copy_(kv)
+        if scheme is None:
+            raise CodecError(f"unknown level {level!r}")
+        if not scheme.is_level:  # a baseline scheme: in this thread, straight into out
+            baselines.SCHEMES[level].decode_into(payload, out)
             return
         try:
             with self._shares.timed() as share:

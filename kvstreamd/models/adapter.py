@@ -188,37 +188,58 @@ def kv_from_cache(past_key_values) -> torch.Tensor:
     return kv.transpose(2, 3).contiguous()
 
 
-def cache_from_kv(kv: torch.Tensor | PrefixKV, dtype: torch.dtype | None = None, config=None, copy: bool = True):
+def cache_from_kv(kv: torch.Tensor | PrefixKV, dtype: torch.dtype | None = None, config=None, copy: bool = True,
+                  room: int = 0):
     """A `DynamicCache` holding `kv` (a `[L, 2, T, H, D]` tensor of every layer's tokens, or a
     PrefixKV), converted to `dtype` if given, ready to continue the model after it. `config`:
     the model's, so that its sliding layers keep only their window (as the model's own cache
     would); a windowed part is fed in at its true positions. The cache owns its copy, so running
-    the model on it never writes into `kv`. copy=False: a part that already lies heads-first in
-    `dtype` (PrefixKV.copy_heads_first) is held as it is, no copy -- the model still never
-    writes into it (a dynamic cache layer appends by concatenating into new tensors)."""
+    the model on it never writes into `kv`'s tokens; `room`: tokens the copy leaves space for
+    after them, where the model's next tokens are written in place (AppendLayer) rather than
+    the prefix copied anew at each step. copy=False: a part that already lies heads-first in
+    `dtype` (PrefixKV.copy_heads_first) is held as it is, no copy, and appends into its own
+    room (Part.room) -- past its tokens, never into them."""
     from transformers import DynamicCache
 
     prefix = kv if isinstance(kv, PrefixKV) else _dense_prefix(kv)
-    if copy or not all(p.kv.dtype == (dtype or p.kv.dtype) and p.kv.permute(0, 1, 3, 2, 4).is_contiguous()
-                       for p in prefix.parts):
-        prefix = prefix.copy_heads_first(dtype=dtype)
+    if copy or not all(p.kv.dtype == (dtype or p.kv.dtype) and _roomy(p) is not None for p in prefix.parts):
+        prefix = prefix.copy_heads_first(dtype=dtype, room=room)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     per_layer = {}
     for part in prefix.parts:
-        heads_first = part.kv.permute(0, 1, 3, 2, 4)  # [L, 2, H, T, D], contiguous
+        heads_first = part.kv.permute(0, 1, 3, 2, 4)  # [L, 2, H, T, D], each head's rows contiguous
+        roomy = _roomy(part)  # [L, 2, H, T + room, D]
         for j, layer in enumerate(part.layers):
-            per_layer[layer] = (part.start, heads_first[j])
+            per_layer[layer] = (part.start, heads_first[j], roomy[j])
     for layer in range(len(per_layer)):
-        start, kvl = per_layer[layer]
-        _hold(cache, layer, kvl[0].unsqueeze(0), kvl[1].unsqueeze(0), start)
+        start, kvl, spare = per_layer[layer]
+        _hold(cache, layer, kvl[0].unsqueeze(0), kvl[1].unsqueeze(0), start,
+              (spare[0].unsqueeze(0), spare[1].unsqueeze(0)))
     return cache
 
 
-def _hold(cache, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+def _roomy(part) -> torch.Tensor | None:
+    """The heads-first tensor `[L, 2, H, T + room, D]` whose first T rows per head are part.kv
+    (seen heads-first), or None where part.kv is not laid out that way."""
+    heads_first = part.kv.permute(0, 1, 3, 2, 4)
+    L, two, H, T, D = heads_first.shape
+    rows = T + part.room
+    stride = (two * H * rows * D, H * rows * D, rows * D, D, 1)
+    whole = heads_first.storage_offset() + L * two * H * rows * D
+    if heads_first.is_contiguous() and not part.room:
+        return heads_first
+    if heads_first.stride() != stride or whole * heads_first.element_size() > heads_first.untyped_storage().nbytes():
+        return None
+    return heads_first.as_strided((L, two, H, rows, D), stride)
+
+
+def _hold(cache, layer: int, k: torch.Tensor, v: torch.Tensor, start: int,
+          room: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Layer `layer` of a fresh cache made to hold k, v `[1, H, T, D]`, tokens start..start+T of
-    the prefix. transformers' own dynamic layers are left as their update() would leave them,
-    without its copy (update concatenates onto an empty tensor); any other layer kind goes
-    through update()."""
+    the prefix, the first T rows of `room` (keys', values' `[1, H, T + r, D]`). transformers' own
+    dynamic layers are left as their update() would leave them, without its copy (update
+    concatenates onto an empty tensor), a full-attention one appending into the room if there is
+    any (AppendLayer); any other layer kind goes through update()."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     held = cache.layers[layer] if layer < len(cache.layers) else None
@@ -231,6 +252,11 @@ def _hold(cache, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> No
         held.cumulative_length = start + k.shape[2]
         return
     if kind is DynamicLayer and not start:
+        if room[0].shape[2] > k.shape[2]:
+            from .append_layer import AppendLayer
+
+            cache.layers[layer] = AppendLayer(k, v, *room)
+            return
         held.lazy_initialization(k, v)
         held.keys, held.values = k, v
         return
@@ -329,7 +355,7 @@ def _forward(lm: LoadedModel, tokens, kv, all_logits: bool, keep_kv: bool, rows:
         raise ValueError(f"{prior} + {ids.numel()} tokens exceed the model's {lm.max_positions} positions")
     config = lm.model.config
     # a decoded cache may come as fp16/bf16: the model runs in fp32
-    cache = cache_from_kv(kv, torch.float32, config) if kv is not None else empty_cache(config)
+    cache = cache_from_kv(kv, torch.float32, config, room=ids.numel()) if kv is not None else empty_cache(config)
     logits, kv_new = run(lm.model, ids, cache, all_logits=all_logits, keep_kv=keep_kv, rows=rows)
     return logits, cache, kv_new
 

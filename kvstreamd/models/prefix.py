@@ -169,13 +169,15 @@ HEAD_PACE = HeadPace()  # this process's
 def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadline_ms: int | None = None,
               levels: list[str] | None = None, recompute_tokens_per_s: float | None = None,
               on_chunk: Callable[[ChunkEvent], None] | None = None,
-              recompute_doubling_tokens: float | None = None) -> tuple[PrefixKV | None, Reuse]:
+              recompute_doubling_tokens: float | None = None, grow_to: int = 0) -> tuple[PrefixKV | None, Reuse]:
     """The KV (the model's dtype; codec.layout.PrefixKV, `.dense()` is `[L, 2, n, H, D]` for a
     model whose layers all hold every token) of the prompt's longest prefix the cluster holds,
     TEXT chunks recomputed here as they come (while the rest streams), and what it took;
     (None, reuse) when nothing was found. `recompute_tokens_per_s` (this model's prefill rate at
     the start of a prompt) and `recompute_doubling_tokens` (the position where a token costs it
-    twice that) let the senders price TEXT chunks (Client.fetch), the rate as HEAD_PACE corrects it."""
+    twice that) let the senders price TEXT chunks (Client.fetch), the rate as HEAD_PACE corrects it.
+    `grow_to`: the tokens the caller's sequence will reach (prompt and answer): the KV leaves
+    room for those after the prefix (Part.room), where the model's cache writes them in place."""
     reuse = Reuse(len(prompt))
     reuse.recompute_tokens_per_s_told = told = HEAD_PACE.told(model_id, recompute_tokens_per_s)
     param = next(model.parameters())
@@ -192,7 +194,8 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
             # out heads-first, as the model's cache holds it, so that generate() need not copy it again;
             # each chunk is copied out as it lands, while the next ones stream in.
             src = f.prefix
-            kv = src.empty_heads_first(device=device, dtype=dtype) if src is not None else None
+            kv = src.empty_heads_first(device=device, dtype=dtype, room=max(0, grow_to - src.tokens)) \
+                if src is not None else None
             copied = np.zeros(src.tokens if src is not None else 0, bool)  # KV chunks, and TEXT ones (recompute's)
             for ev in f:
                 reuse.events.append(ev)
@@ -275,12 +278,13 @@ def generate(model, prompt: list[int], client: Client | None, model_id: str, *, 
     kv, reuse = (None, Reuse(len(prompt))) if client is None else prefix_kv(
         model, prompt, client, model_id, deadline_ms=deadline_ms, levels=levels,
         recompute_tokens_per_s=recompute_tokens_per_s, on_chunk=on_chunk,
-        recompute_doubling_tokens=recompute_doubling_tokens)
+        recompute_doubling_tokens=recompute_doubling_tokens, grow_to=len(prompt) + max_new_tokens)
     kwargs = dict(generate_kwargs)
     if kv is not None:
         t1 = time.perf_counter()
         n = min(kv.tokens, len(prompt) - 1)  # generate needs one prompt token left to run
-        # kv is this call's own copy, already in the cache's layout: the cache holds it as it is
+        # kv is this call's own copy, already in the cache's layout, with room for the rest of the
+        # prompt and the answer: the cache holds it as it is and appends in place
         kwargs[generate_cache_kwarg()] = cache_from_kv(kv.prefix(n), next(model.parameters()).dtype, model.config,
                                                        copy=False)
         reuse.cache_s = time.perf_counter() - t1

@@ -566,16 +566,22 @@ class FetchJob:
     # -- stage 2: decode ---------------------------------------------------------------------
 
     async def _decode(self, inp: asyncio.Queue, out: asyncio.Queue) -> None:
-        """Up to DECODE_DEPTH chunks decode at once (the workers take a chunk's streams between
-        them, so one chunk alone leaves them idle while the daemon hands it over and collects
-        it), in the order they arrive; the fill stage puts them back in order."""
+        """Up to DECODE_DEPTH coded chunks decode at once (the workers take a chunk's streams
+        between them, so one chunk alone leaves them idle while the daemon hands it over and
+        collects it), in the order they arrive; the fill stage puts them back in order. A chunk
+        of a baseline scheme (int8, fp16: one pass in a thread of this process) takes no slot:
+        it decodes as it lands, beside the coded chunks before it, rather than wait behind them
+        (at 1000 Mbit/s the int8 chunks of a mixed plan arrived while the codec workers were
+        still on the `high` ones, and came ready only after them, one slot at a time)."""
         slots = asyncio.Semaphore(1 if self.stages is not None else DECODE_DEPTH)  # CUDA stages: one at a time
         busy = _Busy()
         tasks: list[asyncio.Task] = []
         try:
             while (item := await inp.get()) is not None:
-                await slots.acquire()
-                task = asyncio.ensure_future(self._decode_one(item, slots, busy))
+                coded = item.kind == "kv" and catalog.is_level(item.level)
+                if coded:
+                    await slots.acquire()
+                task = asyncio.ensure_future(self._decode_one(item, slots if coded else None, busy))
                 tasks.append(task)
                 await out.put(task)
                 tasks = [t for t in tasks if not t.done()]
@@ -586,7 +592,9 @@ class FetchJob:
         self.result.stage_s["decode"] = busy.total
         await out.put(None)
 
-    async def _decode_one(self, item: _Item, slots: asyncio.Semaphore, busy: "_Busy") -> _Item:
+    async def _decode_one(self, item: _Item, slots: asyncio.Semaphore | None, busy: "_Busy") -> _Item:
+        """Decode one chunk (a TEXT one passes through); `slots`: the semaphore it holds a slot
+        of, released when done (None: it holds none)."""
         try:
             if item.kind == "kv":
                 with busy:
@@ -610,7 +618,8 @@ class FetchJob:
                 item.payload = None
             return item
         finally:
-            slots.release()
+            if slots is not None:
+                slots.release()
 
     def _destination(self, i: int) -> torch.Tensor | None:
         """Where in the buffer chunk i can be decoded to directly: the token range of the one

@@ -273,6 +273,28 @@ def test_baselines_round_trip_and_reject_damage(name, tokens):
         scheme.decode(data[:-3])
 
 
+@pytest.mark.parametrize("name", list(baselines.SCHEMES))
+@pytest.mark.parametrize("chunk_dtype,out_dtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
+                                                   (torch.float32, torch.float16), (torch.bfloat16, torch.float32)])
+def test_baselines_decode_into_a_buffer_writes_what_decode_gives(name, chunk_dtype, out_dtype):
+    """decode_into (what a fetch does with a chunk: write it where it goes in the receive
+    buffer, a token range of a bigger tensor) gives decode()'s values in the buffer's dtype, bit
+    for bit, and touches nothing else; a chunk of another shape or a damaged one is refused
+    before anything is written."""
+    scheme = baselines.SCHEMES[name]
+    kv = (synthetic_kv(33, 5, layers=2, heads=3, head_dim=64) * 3).to(chunk_dtype)
+    data = scheme.encode(kv)
+    buffer = torch.full((2, 2, 100, 3, 64), 7.0, dtype=out_dtype)
+    scheme.decode_into(memoryview(data), buffer[:, :, 40:73])
+    assert torch.equal(buffer[:, :, 40:73], scheme.decode(data).to(out_dtype))
+    assert (buffer[:, :, :40] == 7).all() and (buffer[:, :, 73:] == 7).all()
+    for bad, dst in ((data, buffer[:, :, 40:72]), (data[:-3], buffer[:, :, 40:73])):
+        before = buffer.clone()
+        with pytest.raises(codec.CodecError):
+            scheme.decode_into(bad, dst)
+        assert torch.equal(buffer, before)
+
+
 def test_pool_reuses_its_segments_and_a_result_outlives_the_pool(small_profile):
     """decode_many's results are views of the pool's segments: a segment is reused only once
     every view of the result it held is gone, and closing the pool unlinks them all while
