@@ -142,19 +142,21 @@ class PrefixKV:
         return PrefixKV(self.tokens, [Part(p.layers, p.start, p.kv.to(device=device, dtype=dtype, copy=copy), p.window)
                                       for p in self.parts])
 
-    def empty_heads_first(self, device=None, dtype=None, room: int = 0) -> "PrefixKV":
+    def empty_heads_first(self, device=None, dtype=None, room: int = 0, empty=torch.empty) -> "PrefixKV":
         """A PrefixKV of this one's parts, uninitialised, laid out heads-first in memory
         (`[Lg, 2, H, T, D]`, seen as `[Lg, 2, T, H, D]` like any part): the layout transformers'
         caches hold, so that a model's cache can take the tensors as they are
         (models.cache_from_kv(..., copy=False)) rather than copy them once more. `room`: tokens
         of space left after each head's rows (Part.room), where that cache appends the tokens
-        run after the prefix rather than copy the whole prefix into a longer tensor at each step."""
+        run after the prefix rather than copy the whole prefix into a longer tensor at each step.
+        `empty(shape, dtype=, device=)` makes each part's tensor (torch.empty, or memory kept
+        for reuse: models.host_memory)."""
         if room < 0:
             raise ValueError(f"room for {room} tokens")
         parts = []
         for p in self.parts:
             L, _, T, H, D = p.kv.shape
-            hf = torch.empty((L, 2, H, T + room, D), dtype=dtype or p.kv.dtype, device=device or p.kv.device)
+            hf = empty((L, 2, H, T + room, D), dtype=dtype or p.kv.dtype, device=device or p.kv.device)
             parts.append(Part(p.layers, p.start, hf[:, :, :, :T].permute(0, 1, 3, 2, 4), p.window, room))
         return PrefixKV(self.tokens, parts)
 

@@ -34,6 +34,7 @@ from transport.policy import text_seconds
 from ..client import ChunkEvent, Client
 from ..events import End
 from .adapter import cache_from_kv, empty_cache, generate_cache_kwarg, run
+from .host_memory import Recycled
 
 
 @dataclass
@@ -163,6 +164,7 @@ class HeadPace:
 
 
 HEAD_PACE = HeadPace()  # this process's
+HOST_MEMORY = Recycled()  # what this process's fetched KV is copied into, reused fetch after fetch
 
 
 @torch.no_grad()
@@ -194,8 +196,8 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
             # out heads-first, as the model's cache holds it, so that generate() need not copy it again;
             # each chunk is copied out as it lands, while the next ones stream in.
             src = f.prefix
-            kv = src.empty_heads_first(device=device, dtype=dtype, room=max(0, grow_to - src.tokens)) \
-                if src is not None else None
+            kv = src.empty_heads_first(device=device, dtype=dtype, room=max(0, grow_to - src.tokens),
+                                       empty=HOST_MEMORY.empty) if src is not None else None
             copied = np.zeros(src.tokens if src is not None else 0, bool)  # KV chunks, and TEXT ones (recompute's)
             for ev in f:
                 reuse.events.append(ev)
