@@ -39,10 +39,9 @@ class Recycled:
             return torch.empty(shape, dtype=dtype, device=device)
         nbytes = max(1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
         with self._lock:
-            fits = [b for b in self._free if nbytes <= b.nbytes and nbytes >= FIT * b.nbytes]
-            block = min(fits, key=lambda b: b.nbytes) if fits else None
+            fits = [i for i, b in enumerate(self._free) if FIT * b.nbytes <= nbytes <= b.nbytes]
+            block = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
             if block is not None:
-                self._free.remove(block)
                 self.reused += 1
         if block is None:
             block = np.empty(nbytes, np.uint8)

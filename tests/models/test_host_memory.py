@@ -40,6 +40,18 @@ def test_a_small_request_does_not_pin_a_large_block_and_free_blocks_are_bounded(
     assert mem.free_bytes <= 20000  # the oldest dropped past keep_bytes
 
 
+def test_of_several_free_blocks_the_smallest_that_fits_is_taken():
+    mem = Recycled()
+    blocks = [mem.empty((n,), torch.uint8) for n in (1000, 4000, 2000)]
+    ptrs = [b.data_ptr() for b in blocks]
+    del blocks
+    gc.collect()
+    assert mem.empty((1800,), torch.uint8).data_ptr() == ptrs[2]
+    assert mem.empty((3000,), torch.uint8).data_ptr() == ptrs[1]
+    assert mem.empty((900,), torch.uint8).data_ptr() == ptrs[0]
+    assert mem.free_bytes == 0
+
+
 def test_off_the_host_it_is_torch_empty():
     t = Recycled().empty((3, 3), torch.float32, device="meta")
     assert t.device.type == "meta" and t.shape == (3, 3)
