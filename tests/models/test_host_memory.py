@@ -46,9 +46,8 @@ def test_of_several_free_blocks_the_smallest_that_fits_is_taken():
     ptrs = [b.data_ptr() for b in blocks]
     del blocks
     gc.collect()
-    assert mem.empty((1800,), torch.uint8).data_ptr() == ptrs[2]
-    assert mem.empty((3000,), torch.uint8).data_ptr() == ptrs[1]
-    assert mem.empty((900,), torch.uint8).data_ptr() == ptrs[0]
+    taken = [mem.empty((n,), torch.uint8) for n in (1800, 3000, 900)]
+    assert [t.data_ptr() for t in taken] == [ptrs[2], ptrs[1], ptrs[0]]
     assert mem.free_bytes == 0
 
 
