@@ -160,6 +160,11 @@ def _check_name(name, prefix: str) -> None:
 # ------------------------------------------------------------------------------------ Segment
 
 
+def _cannot_allocate(size: int, name: str, e: OSError) -> ShmError:
+    hint = " (is /dev/shm big enough? docker: --shm-size)" if e.errno in (errno.ENOSPC, errno.ENOMEM) else ""
+    return ShmError(f"cannot allocate {size} bytes for shared-memory segment {name}: {e}{hint}")
+
+
 class Segment:
     """A segment this process created. ``tensor()`` hands out zero-copy views; ``close()`` unmaps
     (refused while views are alive), ``unlink()`` removes the name (mappings stay valid).
@@ -172,12 +177,13 @@ class Segment:
     name: str
     size: int  # bytes allocated (nbytes, or 1 when 0 was asked for)
 
-    def __init__(self, name: str, mm: mmap.mmap, size: int, tracked: bool):
+    def __init__(self, name: str, mm: mmap.mmap, size: int, tracked: bool, fd: int | None = None):
         self.name = name
         self.size = size
         self._mm: mmap.mmap | None = mm
         self._tracked = tracked
         self._unlinked = False
+        self._fd = fd  # kept until reserve() where create(reserve=False)
 
     @classmethod
     def create(cls, nbytes: int, *, prefix: str = PREFIX, track: bool = True,
@@ -188,7 +194,8 @@ class Segment:
         unlinked if this process dies without unlinking it (the tracker then prints a "leaked
         shared_memory objects" warning). Pass False for a segment meant to outlive its creator.
         ``reserve``: allocate the pages now (posix_fallocate), so a too-small /dev/shm fails here
-        with ShmError instead of SIGBUS on a later write.
+        with ShmError instead of SIGBUS on a later write. False: the caller calls reserve()
+        before anything writes to the segment (on a thread: allocating 94 MB took ~20 ms).
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise ShmError(f"nbytes must be a non-negative int, got {nbytes!r}")
@@ -206,30 +213,42 @@ class Segment:
                 raise ShmError(f"cannot create shared-memory segment {name}: {e}") from e
         else:  # pragma: no cover - 16 collisions of 48 random bits
             raise ShmError("cannot find a free shared-memory segment name")
+        keep = False
         try:
             try:
                 os.ftruncate(fd, size)
                 if reserve:
                     os.posix_fallocate(fd, 0, size)
                 mm = mmap.mmap(fd, size)
+                keep = not reserve
             finally:
-                os.close(fd)
+                if not keep:
+                    os.close(fd)
         except BaseException as e:
             try:
                 _posixshmem.shm_unlink("/" + name)
             except OSError:
                 pass
             if isinstance(e, OSError):
-                hint = ""
-                if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                    hint = " (is /dev/shm big enough? docker: --shm-size)"
-                raise ShmError(
-                    f"cannot allocate {size} bytes for shared-memory segment {name}: {e}{hint}"
-                ) from e
+                raise _cannot_allocate(size, name, e) from e
             raise
         if track:
             resource_tracker.register("/" + name, _TRACKER_TYPE)
-        return cls(name, mm, size, track)
+        return cls(name, mm, size, track, fd if keep else None)
+
+    def reserve(self) -> None:
+        """Allocate the pages of a segment made with create(reserve=False): ShmError, as from
+        create(), where /dev/shm cannot hold them. Idempotent; thread-safe against nothing but
+        itself being called once (one caller reserves)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+        except OSError as e:
+            raise _cannot_allocate(self.size, self.name, e) from e
+        finally:
+            os.close(fd)
 
     @property
     def closed(self) -> bool:
@@ -258,6 +277,9 @@ class Segment:
     def close(self) -> None:
         """Unmap. Raises ShmError while tensor views are alive (the mapping then stays valid and
         the segment stays usable). Idempotent. Does not remove the name: see unlink()."""
+        fd, self._fd = self._fd, None
+        if fd is not None:  # never reserved
+            os.close(fd)
         if self._mm is None:
             return
         _close_mapping(self._mm, self.name)

@@ -163,7 +163,8 @@ class FetchJob:
 
     def __init__(self, plan: Plan, options: FetchOptions, buffer: PrefixKV | None, store: Store,
                  peers: PeerManager | None, coder: Coder, metrics: Metrics, *,
-                 segment: tuple[str, torch.Tensor] | None = None, stages=None) -> None:
+                 segment: tuple[str, torch.Tensor] | None = None, stages=None,
+                 reserving: Awaitable | None = None) -> None:
         self.plan = plan
         self.options = options
         self.buffer = buffer
@@ -179,6 +180,8 @@ class FetchJob:
         # (name, the whole segment as one tensor) when the buffer is host shared memory: the
         # codec workers then decode a chunk that lies in one part of it straight into it.
         self.segment = segment
+        # the buffer's pages being allocated (HostBuffer.reserve): awaited before the first write into it
+        self.reserving = reserving
         # (chunk, level, payload) of each whole chunk a peer sent that decoded: kept here as the
         # bitstream it arrived as, so that this node serves it onward (node/fetches.py stores them)
         self.arrived: list[tuple[int, str, bytes]] = []
@@ -597,6 +600,7 @@ class FetchJob:
         of, released when done (None: it holds none)."""
         try:
             if item.kind == "kv":
+                await self._reserved()
                 with busy:
                     try:
                         if self.stages is not None and catalog.is_level(item.level):
@@ -620,6 +624,12 @@ class FetchJob:
         finally:
             if slots is not None:
                 slots.release()
+
+    async def _reserved(self) -> None:
+        """Once the buffer's pages are allocated (at once where nothing was reserving them):
+        nothing writes into it before. ShmError where /dev/shm cannot hold it: the fetch fails."""
+        if self.reserving is not None:
+            await self.reserving
 
     def _destination(self, i: int) -> torch.Tensor | None:
         """Where in the buffer chunk i can be decoded to directly: the token range of the one

@@ -129,9 +129,16 @@ class Fetches:
         flat = (layout.parts_numel(parts, p.found_tokens, prof.heads, prof.head_dim),)
         on_gpu = o.device == "cuda" and self.gpu is not None
         buf: FetchBuffer | None = None
+        reserving: asyncio.Future | None = None
         if p.found:
             buf = await self._allocate(flat, o.dtype, on_gpu)
             self.leases.hold(buf)  # held from here, so that any failure below releases it
+            if isinstance(buf, HostBuffer):
+                # Its pages are allocated on a thread while the request goes out to the peers (~20 ms
+                # for 94 MB, which held up the event loop and every fetch's first chunk); the job
+                # writes nothing into the buffer before they are.
+                reserving = asyncio.ensure_future(asyncio.to_thread(buf.reserve))
+                reserving.add_done_callback(lambda t: t.cancelled() or t.exception())  # the job reports it
         view = None
         ok = False
         try:
@@ -152,7 +159,7 @@ class Fetches:
             if on_gpu and p.found and prof.layout.is_dense:  # (a hybrid model's parts fill from the CPU decoders)
                 stages = await asyncio.to_thread(self._stages_for, prof)
             job = FetchJob(p, o, view, self.store, self.peers, self.coder, self.metrics, segment=segment,
-                           stages=stages)
+                           stages=stages, reserving=reserving)
             res = await job.run(emit)
             if job.arrived and o.keep_fetched:  # off the fetch's path: its client has every chunk already
                 kept = self._spawn(self._keep_arrived(o.model_id, tokens, p, prof, job.arrived))
@@ -213,7 +220,7 @@ class Fetches:
         if on_gpu:
             from kvstreamd.handoff.cuda_ipc import CudaBuffer
             return await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index)
-        return HostBuffer.create(shape, dtype)
+        return HostBuffer.create(shape, dtype, reserve=False)  # reserved off the event loop (_fetch)
 
     def _account(self, p: Plan, tokens, kv_tokens, text_tokens, total, res, arm: str) -> None:
         m = self.metrics

@@ -5,6 +5,7 @@ as a negative return code instead of killing pytest.
 """
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import re
@@ -655,3 +656,31 @@ def test_a_bad_segment_name_a_megabyte_long_is_not_echoed_whole():
     with pytest.raises(ShmError) as err:
         Reader.open(f"{PREFIX}-" + "x" * 2**20, (4,), "float32")
     assert len(str(err.value)) < 300 and "1048586 characters" in str(err.value)
+
+
+def test_a_segment_made_unreserved_is_reserved_later_and_an_unreservable_one_says_why(monkeypatch):
+    """create(reserve=False) leaves the allocation to reserve() (a fetch runs it on a thread, off
+    the event loop): afterwards the pages are there; where /dev/shm cannot hold them, reserve()
+    raises ShmError with the hint, as create() does."""
+    seg = Segment.create(1 << 20, reserve=False)
+    try:
+        assert os.stat(f"/dev/shm/{seg.name}").st_blocks == 0  # nothing allocated yet
+        seg.reserve()
+        assert os.stat(f"/dev/shm/{seg.name}").st_blocks * 512 >= 1 << 20
+        seg.reserve()  # once is enough
+        seg.tensor((256, 1024), "float32").fill_(1.0)
+    finally:
+        seg.unlink()
+        seg.close()
+    seg = Segment.create(4096, reserve=False)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    try:
+        with pytest.raises(ShmError, match="is /dev/shm big enough"):
+            seg.reserve()
+    finally:
+        seg.unlink()
+        seg.close()
