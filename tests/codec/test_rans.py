@@ -62,7 +62,7 @@ def test_quantized_models_are_exact_and_keep_every_symbol():
 
 
 @pytest.mark.parametrize("seed,rows,per_lane,max_alphabet", [
-    (1, 37, 5, 64), (2, 1, 16, 8), (3, 256, 1, 2048), (4, 5, 3, 4), (5, 100, 24, 600)])
+    (1, 37, 5, 64), (2, 1, 16, 8), (3, 256, 1, 2048), (4, 5, 3, 4), (5, 100, 24, 600), (6, 29, 2, 64)])
 def test_c_library_and_numpy_reference_write_the_same_words_and_symbols(seed, rows, per_lane, max_alphabet):
     assert rans.library() is not None, "the C library must build on CI machines (cc is installed)"
     models, sym, lanes = _case(seed, rows=rows, per_lane=per_lane, max_alphabet=max_alphabet)
@@ -83,7 +83,9 @@ def test_c_library_and_numpy_reference_write_the_same_words_and_symbols(seed, ro
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), flips=st.integers(1, 4))
 def test_damaged_words_fail_the_same_way_in_both_and_never_escape_their_buffers(seed, flips):
-    models, sym, lanes = _case(seed % 1000, n_comp=12, rows=29, per_lane=4)
+    # 14 lanes, the last of one component: the C library decodes them 8 at a time, interleaved,
+    # and must still name the first lane that fails, as the reference does
+    models, sym, lanes = _case(seed % 1000, n_comp=40, rows=29, per_lane=3)
     used, words = rans.encode_lanes(sym, lanes, models)
     start = np.concatenate([[0], np.cumsum(used)]).astype(np.int64)
     rng = np.random.default_rng(seed)
