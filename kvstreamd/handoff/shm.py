@@ -238,8 +238,8 @@ class Segment:
 
     def reserve(self) -> None:
         """Allocate the pages of a segment made with create(reserve=False): ShmError, as from
-        create(), where /dev/shm cannot hold them. Idempotent; thread-safe against nothing but
-        itself being called once (one caller reserves)."""
+        create(), where /dev/shm cannot hold them. Idempotent. May run on another thread than
+        close(): whichever takes the descriptor first closes it."""
         fd, self._fd = self._fd, None
         if fd is None:
             return

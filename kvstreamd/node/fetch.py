@@ -216,6 +216,9 @@ class FetchJob:
                   asyncio.ensure_future(self._fill(decoded, emit))]
         try:
             await asyncio.gather(*stages)
+            # A fetch whose chunks all came as TEXT wrote nothing into the buffer, but its client
+            # may still read it: it ends only once the pages are there (or fails, saying why).
+            await self._reserved()
         finally:
             for s in stages:
                 s.cancel()
