@@ -160,12 +160,15 @@ class PrefixKV:
             parts.append(Part(p.layers, p.start, hf[:, :, :, :T].permute(0, 1, 3, 2, 4), p.window, room))
         return PrefixKV(self.tokens, parts)
 
-    def copy_tokens_(self, src: "PrefixKV", start: int, end: int) -> None:
-        """Tokens [start, end) of src (of the same parts) into this one: each part takes those it holds."""
+    def copy_tokens_(self, src: "PrefixKV", start: int, end: int, serial: bool = False) -> None:
+        """Tokens [start, end) of src (of the same parts) into this one: each part takes those it
+        holds. `serial`: on the calling thread alone (copy_serial_), for copies made beside
+        other busy processes."""
+        copy = copy_serial_ if serial else torch.Tensor.copy_
         for d, s in zip(self.parts, src.parts):
             lo, hi = max(start, d.start) - d.start, min(end, self.tokens) - d.start
             if hi > lo:
-                d.kv[:, :, lo:hi].copy_(s.kv[:, :, lo:hi])
+                copy(d.kv[:, :, lo:hi], s.kv[:, :, lo:hi])
 
     def copy_heads_first(self, device=None, dtype=None, room: int = 0) -> "PrefixKV":
         """A copy, heads-first (empty_heads_first)."""
@@ -188,6 +191,30 @@ class PrefixKV:
             parts.append(Part(p.layers, p.start, p.kv[:, :, :n - p.start], p.window,
                               p.room if n == self.tokens else 0))
         return PrefixKV(n, parts)
+
+
+# torch splits a CPU copy of more elements than this among its threads (at::internal::GRAIN_SIZE)
+SERIAL_ELEMENTS = 32768
+
+
+def copy_serial_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), on the calling thread alone: in pieces torch copies without its thread
+    pool. A model process copying a fetched chunk at a time out of the daemon's buffer does so
+    beside the daemon's codec workers; a pooled copy's idle thread then spins between chunks
+    (OpenMP's wait), and at 1000 Mbit/s that spinning took ~100 ms of the two cores' time from
+    the decode in a 0.35 s fetch (16 chunks copied pooled: 180 ms of the process's CPU time; in
+    pieces: 70 ms; docs/benchmarks.md). A tensor off the CPU is copied whole."""
+    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.numel() <= SERIAL_ELEMENTS or dst.dim() == 0:
+        dst.copy_(src)
+        return
+    inner = dst[0].numel()
+    if inner > SERIAL_ELEMENTS:
+        for i in range(dst.shape[0]):
+            copy_serial_(dst[i], src[i])
+        return
+    step = max(1, SERIAL_ELEMENTS // max(inner, 1))
+    for i in range(0, dst.shape[0], step):
+        dst[i:i + step].copy_(src[i:i + step])
 
 
 def fetch_parts(layout: Layout, n: int, chunk_tokens: int) -> list[dict]:

@@ -194,7 +194,8 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
                           recompute_doubling_tokens=recompute_doubling_tokens) as f:
             # A copy, always (even in the same dtype and device): the buffer is released on exit. Laid
             # out heads-first, as the model's cache holds it, so that generate() need not copy it again;
-            # each chunk is copied out as it lands, while the next ones stream in.
+            # each chunk is copied out as it lands, while the next ones stream in, on this thread
+            # alone (the daemon's codec workers need the cores meanwhile: layout.copy_serial_).
             src = f.prefix
             kv = src.empty_heads_first(device=device, dtype=dtype, room=max(0, grow_to - src.tokens),
                                        empty=HOST_MEMORY.empty) if src is not None else None
@@ -203,7 +204,7 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
                 reuse.events.append(ev)
                 reuse.seen_s.append(time.perf_counter() - t0)
                 if kv is not None and ev.kind == "kv":
-                    kv.copy_tokens_(src, ev.start, ev.end)
+                    kv.copy_tokens_(src, ev.start, ev.end, serial=True)
                     copied[ev.start:ev.end] = True
                 elif kv is not None and ev.kind == "text":
                     if recompute is None:

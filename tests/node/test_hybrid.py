@@ -167,6 +167,28 @@ def test_prefix_kv_views_and_their_limits():
     assert PrefixKV.from_dense(kv[:, :, :5]).dense().data_ptr() == kv.data_ptr()
 
 
+@pytest.mark.parametrize("shape", [(4, 2, 40, 2, 8), (2, 2, 300, 4, 64), (3, 1, 5000, 8)])
+def test_a_serial_copy_is_the_copy_whatever_the_shape_and_dtypes(shape):
+    src = torch.randn(shape).to(torch.float16)
+    want = src.to(torch.float32)
+    dst = torch.full(shape, float("nan"))
+    layout.copy_serial_(dst, src)
+    assert torch.equal(dst, want)
+    # into a strided view (a heads-first buffer seen token-major), only the rows named
+    hf = torch.zeros(shape[:2] + (shape[3], shape[2]) + shape[4:]) if len(shape) == 5 else None
+    if hf is not None:
+        view = hf.transpose(2, 3)
+        layout.copy_serial_(view[:, :, 3:17], src[:, :, 3:17])
+        assert torch.equal(view[:, :, 3:17], want[:, :, 3:17]) and view[:, :, :3].abs().sum() == 0
+    # copy_tokens_(serial=True) takes the same tokens as the pooled copy
+    if len(shape) == 5:
+        p = PrefixKV.from_dense(src)
+        a, b = p.empty_heads_first(dtype=torch.float32, room=3), p.empty_heads_first(dtype=torch.float32, room=3)
+        a.copy_tokens_(p, 0, shape[2])
+        b.copy_tokens_(p, 0, shape[2], serial=True)
+        assert torch.equal(a.dense(), b.dense())
+
+
 async def test_fetch_moves_sliding_layers_only_inside_the_window(inprocess, hybrid_profile):
     """Put a 1000-token context on a, fetch it on b through the API: the chunks before the
     window carry only the full-attention layers, on the wire and in the buffer."""
