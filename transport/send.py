@@ -8,7 +8,7 @@ import inspect
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from .bandwidth import PROBE_ENOUGH_S, PROBES, BandwidthEstimator
 from .delivery import DeliveryClock
@@ -85,7 +85,7 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
                       count: int | None = None,
                       level_of: Callable[[int, str], str] | None = None,
                       window: int | None = None, text_last: bool = False,
-                      text_s: Sequence[float] | None = None) -> Sent:
+                      text_s: Sequence[float] | None = None, beside: Iterable[str] = ()) -> Sent:
     """Send every chunk of `served`'s FETCH, then END "ok" with whether its deadline (counted
     from the FETCH's arrival) was missed. With `count` short of the FETCH's chunks, send chunks
     [0, count) only and leave the request open: the caller ends it with an ERROR.
@@ -106,7 +106,8 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
     once it is. `level_of(i, level)`: the level chunk i goes at when `level` is chosen for it
     (a sender that holds some chunks at some levels only sends the nearest it holds; `sizes`
     are then that level's), named so on the wire. `text_last`: the FETCH's (FetchSender);
-    `text_s`: each chunk's receiver seconds as TEXT, by position (FetchSender)."""
+    `text_s`: each chunk's receiver seconds as TEXT, by position, and `beside`: the levels it
+    works on beside the others (FetchSender)."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     pinging: asyncio.Task | None = None
@@ -118,7 +119,7 @@ async def send_chunks(served: ServedFetch, sizes: Mapping[str, Sequence[int]],
         pinging = asyncio.ensure_future(served.peer.ping())
     chunks = len(served.fetch.keys) if count is None else count
     sender = FetchSender(served.req, chunks, sizes, max(served.remaining() * 1000, 1.0), loop.time(),
-                         rule, estimator, work_s, dppl, text_last=text_last, text_s=text_s)
+                         rule, estimator, work_s, dppl, text_last=text_last, text_s=text_s, beside=beside)
     coded = 0
     clock = DeliveryClock(started)
     recent: deque[int] = deque(maxlen=8)  # wire bytes of the latest chunks written

@@ -4,7 +4,7 @@ the link from the fetcher's ACKs. No sockets and no clock: every call takes `now
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from .bandwidth import BandwidthEstimator
 from .policy import TEXT, Choice, Rule, Situation
@@ -20,7 +20,8 @@ class FetchSender:
     """Hands out chunks 0..chunks-1 of request `req` in order, each at the level `rule` picks
     from the estimator's view of the link, the receiver's predicted backlog and the time left.
     What each level costs is data: `work_s` (receiver seconds per chunk) and `dppl` (quality);
-    `text_s`, where given, each chunk's receiver seconds as TEXT (policy.text_seconds).
+    `text_s`, where given, each chunk's receiver seconds as TEXT (policy.text_seconds);
+    `beside`, the levels whose receiver work does not queue behind the others' (Situation.beside).
 
     A deadline that passes is recorded, not ignored: the stream goes on at whatever the rule
     says once the deadline is lost, and `deadline_missed` reports it for the END message.
@@ -37,7 +38,7 @@ class FetchSender:
     def __init__(self, req: int, chunks: int, sizes: Mapping[str, Sequence[int]], deadline_ms: float,
                  now: float, rule: Rule, estimator: BandwidthEstimator, work_s: Mapping[str, float],
                  dppl: Mapping[str, float], text_last: bool = False,
-                 text_s: Sequence[float] | None = None) -> None:
+                 text_s: Sequence[float] | None = None, beside: Iterable[str] = ()) -> None:
         if chunks < 1:
             raise ValueError(f"request {req}: a stream needs at least one chunk, got {chunks}")
         wrong = {lv: len(s) for lv, s in sizes.items() if len(s) != chunks}
@@ -61,6 +62,7 @@ class FetchSender:
         if text_s is not None and len(text_s) != chunks:
             raise ValueError(f"request {req}: text_s lists {len(text_s)} chunks, not {chunks}")
         self.text_s = None if text_s is None else list(text_s)  # each chunk's receiver seconds as TEXT
+        self.beside = frozenset(beside)  # levels the receiver works on beside the rest (Situation.beside)
         self.levels: list[str] = []  # the level of each chunk handed out, in order
         self.choices: list[Choice] = []  # the rule's answer for each, with its reason
         self.cancelled = False
@@ -98,9 +100,10 @@ class FetchSender:
             work_s=self.work_s, dppl=self.dppl, deadline_s=self.deadline_at - now,
             # Chunks in flight still have their decode ahead of them at the receiver.
             backlog_s=max(0.0, self._receiver_free - now)
-            + sum(self.work_s[c.level] for c in self._inflight.values()),
+            + sum(self.work_s[c.level] for c in self._inflight.values() if c.level not in self.beside),
             inflight_bytes=sum(c.bytes for c in self._inflight.values()), text_last=text_last,
-            text_s=None if self.text_s is None else self.text_s[i:], peak_bandwidth=self.estimator.peak())
+            text_s=None if self.text_s is None else self.text_s[i:], peak_bandwidth=self.estimator.peak(),
+            beside=self.beside)
         choice = self.rule(situation)
         if choice.level not in self.sizes:
             raise ValueError(f"request {self.req}: the rule chose {choice.level!r}, "
@@ -121,7 +124,8 @@ class FetchSender:
             raise ValueError(f"request {self.req}: ACK for chunk {i}, which is not in flight "
                              f"({len(self.levels)} of {self.chunks} chunks sent)")
         self.estimator.add(nbytes, sent_at, acked_at)
-        self._receiver_free = max(self._receiver_free, acked_at) + self.work_s[sent.level]
+        if sent.level not in self.beside:
+            self._receiver_free = max(self._receiver_free, acked_at) + self.work_s[sent.level]
         if len(self.levels) == self.chunks and not self._inflight and not self.cancelled:
             self.finished_at = acked_at
             self._missed |= acked_at > self.deadline_at

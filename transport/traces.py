@@ -79,9 +79,11 @@ class SimResult:
 
 def simulate(rule: Rule, trace: Sequence[float], sizes: Mapping[str, Sequence[int]], deadline_s: float,
              work_s: Mapping[str, float], dppl: Mapping[str, float], *,
-             estimator: BandwidthEstimator | None = None, probe: Probe = Probe()) -> SimResult:
+             estimator: BandwidthEstimator | None = None, probe: Probe = Probe(),
+             beside: frozenset[str] = frozenset()) -> SimResult:
     """Send one context chunk by chunk over `trace` (chunk i crosses the link at trace[i]
-    Mbit/s, wrapping round) with the receiver decoding in order as chunks land.
+    Mbit/s, wrapping round) with the receiver decoding in order as chunks land (those at a
+    level in `beside` in order among themselves, beside the rest: Situation.beside).
 
     The rule sees only what a real sender would: the estimator's smoothed past, fed by each
     chunk's bytes and send-to-ack time (acks are immediate: no round-trip time), and the
@@ -94,18 +96,21 @@ def simulate(rule: Rule, trace: Sequence[float], sizes: Mapping[str, Sequence[in
     if est.needs_probe:
         now = probe.size / rate[0]
         probe.record(est, 0.0, now)
-    receiver_free = now
+    receiver_free = aside_free = now
     levels = []
     for i in range(n):
         situation = Situation(bandwidth=est.estimate(), sizes={lv: s[i:] for lv, s in sizes.items()},
                               work_s=work_s, dppl=dppl, deadline_s=deadline_s - now,
-                              backlog_s=max(0.0, receiver_free - now), peak_bandwidth=est.peak())
+                              backlog_s=max(0.0, receiver_free - now), peak_bandwidth=est.peak(), beside=beside)
         level = rule(situation).level
         nbytes = sizes[level][i]
         arrived = now + nbytes / rate[i]
         est.add(nbytes, now, arrived)
-        receiver_free = max(receiver_free, arrived) + work_s[level]
+        if level in beside:
+            aside_free = max(aside_free, arrived) + work_s[level]
+        else:
+            receiver_free = max(receiver_free, arrived) + work_s[level]
         levels.append(level)
         now = arrived
-    return SimResult(receiver_free, receiver_free <= deadline_s, tuple(levels),
-                     sum(dppl[lv] for lv in levels) / n)
+    end = max(receiver_free, aside_free)
+    return SimResult(end, end <= deadline_s, tuple(levels), sum(dppl[lv] for lv in levels) / n)

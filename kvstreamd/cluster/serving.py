@@ -189,7 +189,8 @@ class Serving:
                                  rule, estimator, work, catalog.dppl_table(coded, self._measured(recs[0].model_id)),
                                  on_sent=lambda i, lv, n: (self.metrics.chunks.labels(lv, "sent").inc(),
                                                            release(recs[i].key)),
-                                 count=held, level_of=level_of, text_last=bool(fetch.text_last), text_s=text_s)
+                                 count=held, level_of=level_of, text_last=bool(fetch.text_last), text_s=text_s,
+                                 beside=[lv for lv in coded if not catalog.is_level(lv)])
         if done.stopped_at is not None:
             self.metrics.error("fetch_not_found")
             i = done.stopped_at

@@ -14,7 +14,7 @@ from transport import traces
 from transport.bandwidth import PROBE_ENOUGH_S, PROBES, BandwidthEstimator, PeerBandwidth, Probe
 from transport.messages import Ack, Fetch
 from codec import catalog
-from transport.policy import NEAR_LOSSLESS_DPPL, TEXT, Choice, Situation, adaptive_rule, cachegen_rule, text_seconds
+from transport.policy import NEAR_LOSSLESS_DPPL, TEXT, Choice, Situation, _finish, adaptive_rule, cachegen_rule, text_seconds
 from transport.send import send_chunks
 from transport.sender import FetchSender
 
@@ -164,6 +164,47 @@ def test_with_time_to_spare_a_fast_link_mixes_two_levels_priced_alike_to_keep_wi
     assert mixed.total_seconds < 0.8 * min(alone.values()), (mixed, alone)
     assert list(mixed.levels) == sorted(mixed.levels, key=("high", "int8").index)  # every `high` first
     assert 4 <= mixed.levels.count("high") <= 10, mixed.levels
+
+
+def test_a_level_the_receiver_decodes_beside_the_coded_ones_does_not_wait_behind_their_decode():
+    # The same 1000 Mbit/s mix, on a receiver that decodes int8 in a thread of its own as each
+    # chunk lands (node/fetch.py): int8's 4 ms no longer queue behind the `high` backlog, so
+    # more `high` fits beside the wire, and the context is in sooner than with the plan that
+    # priced int8 as queued -- on that receiver, and by the plan's own prediction.
+    n = 16
+    sizes = {"high": [1_000_000] * n, "int8": [3_000_000] * n}
+    work = {"high": 0.040, "int8": 0.004}
+    dppl = catalog.dppl_table(sizes, {"high": 0.08})
+    queued = traces.simulate(adaptive_rule, [1000.0], sizes, 2.0, work, dppl)
+    aside = traces.simulate(adaptive_rule, [1000.0], sizes, 2.0, work, dppl, beside=frozenset({"int8"}))
+    as_planned_before = traces.simulate(fixed(list(queued.levels)), [1000.0], sizes, 2.0, work, dppl,
+                                        beside=frozenset({"int8"}))
+    assert aside.levels.count("high") > queued.levels.count("high")
+    assert aside.total_seconds < as_planned_before.total_seconds
+    # The plan's prediction: no mix later priced beside, some sooner; an all-int8 plan still
+    # ends one int8 decode after its last byte.
+    plans = np.array([[k, n - k] for k in range(n + 1)], float)
+    kw = dict(bandwidth=mbit(1000), sizes=sizes, work_s=work, dppl=dppl, deadline_s=2.0)
+    apart = _finish(Situation(**kw, beside=frozenset({"int8"})), plans, mbit(1000))[0]
+    inline = _finish(Situation(**kw), plans, mbit(1000))[0]
+    assert (apart <= inline + 1e-12).all() and (apart < inline - 0.01).any()
+    assert apart[0] == pytest.approx(n * 3_000_000 / mbit(1000) + 0.004)
+
+
+def test_the_sender_keeps_levels_decoded_beside_out_of_the_receivers_backlog():
+    seen = []
+
+    def rule(sit):
+        seen.append(sit)
+        return Choice("int8" if len(seen) == 1 else "high", 0.0, "")
+
+    s = sender(deadline_ms=5000, rule=rule, beside=("int8",))
+    s.next_chunk(0.0)  # int8, still in flight
+    s.next_chunk(0.0)
+    assert seen[1].backlog_s == 0.0 and seen[1].beside == frozenset({"int8"})
+    s.on_ack(0, s.sizes["int8"][0], 0.0, 0.01)
+    s.next_chunk(0.01)
+    assert seen[2].backlog_s == pytest.approx(s.work_s["high"])  # only chunk 1's decode is ahead
 
 
 def test_adaptive_rule_counts_the_receivers_backlog():
@@ -347,12 +388,12 @@ def test_simulated_rule_sees_only_the_past():
 
 # --- the sender of one FETCH -------------------------------------------------------------------
 
-def sender(deadline_ms: float, chunks: int = 4, rule=adaptive_rule, probed_at: float | None = 100.0):
+def sender(deadline_ms: float, chunks: int = 4, rule=adaptive_rule, probed_at: float | None = 100.0, beside=()):
     est = BandwidthEstimator()
     if probed_at is not None:
         est.add(1_000_000, 0.0, 1_000_000 / mbit(probed_at))
     sizes, work = traces.smollm2_chunks(chunks)
-    return FetchSender(7, chunks, sizes, deadline_ms, 0.0, rule, est, work, DPPL)
+    return FetchSender(7, chunks, sizes, deadline_ms, 0.0, rule, est, work, DPPL, beside=beside)
 
 
 def run(s: FetchSender, now: float, bandwidth: float) -> float:
