@@ -1,6 +1,6 @@
 """A slow link: the sender gives the prompt's head as TEXT and its tail as KV, and the model
 process prefills the head while the tail streams in. Joined, they are the exact cache: the
-head bit for bit what a prefill here of those chunks makes (and within fp32 kernel noise of
+head bit for bit what a prefill here of those chunks, in the passes it ran, makes (and within fp32 kernel noise of
 the sender's one-pass prefill: CPU kernels pick their paths by shape, ~4e-5 apart for 256-token
 steps, bit-equal for 512), the tail within fp16 rounding (fetched at fp16), and the model
 answers as it does on the exact cache."""
@@ -59,10 +59,15 @@ def test_head_computed_here_joins_the_tail_fetched_at_fp16_exactly(tmp_path, lm)
     # the head was computed while the tail streamed: not all of it waited for the fetch's end
     assert reuse.recompute_after_s < reuse.recompute_s
     got = reuse.kv.dense()
+    # the head ran in passes of whole chunks (those that came together: one pass, most often),
+    # and is bit for bit what a prefill here in those passes makes
+    blocks = [b for b in reuse.text_blocks if b[1] <= head]
+    assert blocks[0][0] == 0 and blocks[-1][1] == head and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert all(s % CHUNK == 0 and e % CHUNK == 0 for s, e in reuse.text_blocks)
     cache = empty_cache(lm.model.config)
     with torch.no_grad():
-        here = torch.cat([run(lm.model, torch.tensor(doc[s:s + CHUNK]), cache, all_logits=False, keep_kv=True)[1]
-                          for s in range(0, head, CHUNK)], dim=2)
+        here = torch.cat([run(lm.model, torch.tensor(doc[s:e]), cache, all_logits=False, keep_kv=True)[1]
+                          for s, e in blocks], dim=2)
     assert torch.equal(got[:, :, :head], here)
     assert torch.allclose(got[:, :, :head], exact[:, :, :head], rtol=0, atol=1e-4)
     fetched = exact[:, :, head:tail]
