@@ -84,6 +84,10 @@ def _job(fn, *args):
 
 def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_levels: tuple[str, ...]) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+    # Ctrl-C at a terminal signals the whole process group. The pool's owner stops its workers
+    # (close(), or the parent watch when it dies): a worker takes no KeyboardInterrupt of its own
+    # (each printed its traceback before `kvstreamd run` said "stopped").
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     # The parent read the same folders (CodecPool) and warned of a file there that does not
     # load: not once more per worker.

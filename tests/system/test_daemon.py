@@ -319,8 +319,11 @@ def test_bad_config_stops_start_up_naming_the_key(tmp_path):
     assert "[store] memory_budgt" in out.stderr and str(cfg) in out.stderr
 
 
-def test_default_configuration_starts_with_no_edits(tmp_path):
-    """`kvstreamd run` with no config file at all (fresh machine): it starts, serves, stops on SIGTERM."""
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_default_configuration_starts_with_no_edits(tmp_path, stop):
+    """`kvstreamd run` with no config file at all (fresh machine): it starts, serves, stops on
+    SIGTERM, or on Ctrl-C at a terminal (SIGINT to its whole process group, codec workers
+    included), quietly: no worker's KeyboardInterrupt traceback."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state"),
            "KVSTREAMD_CONFIG": ""}
     repo_cfg = Path(__file__).parents[2] / "config.toml"
@@ -332,7 +335,7 @@ def test_default_configuration_starts_with_no_edits(tmp_path):
     cfg = tmp_path / "config.toml"
     cfg.write_text(repo_cfg.read_text().replace('listen = "127.0.0.1:9400"', f'listen = "127.0.0.1:{port}"'))
     proc = subprocess.Popen([sys.executable, "-m", "kvstreamd.cli", "run", "--config", str(cfg)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     sock = tmp_path / "run" / "kvstreamd" / "api.sock"
     try:
         from kvstreamd.client import Client
@@ -341,10 +344,14 @@ def test_default_configuration_starts_with_no_edits(tmp_path):
         assert oct(sock.stat().st_mode & 0o777) == oct(0o660)
         assert (tmp_path / "state" / "kvstreamd").is_dir()
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "no [peer] secret configured" in out
+    assert "stopped" in out and "Traceback" not in out and "KeyboardInterrupt" not in out, out
 
 
 def _healthy(c) -> bool:
