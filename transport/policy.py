@@ -189,8 +189,9 @@ def adaptive_rule(s: Situation, *, horizon: int = 8, safety: float = 0.9, optimi
       ~6x faster to decode), and a mix of the two can beat both by keeping both stages busy.
       TEXT costs the link nothing but the receiver a prefill, which overlaps the link's work.
       A level in `beside` (a baseline scheme, decoded in a thread of its own as each chunk
-      lands) does not queue behind the coded chunks' decode: at 1000 Mbit/s, priced as if it
-      did, 8 `high` + 8 int8 looked 30 ms slower than 6 + 10, where it is ~25 ms faster.
+      lands) does not queue behind the coded chunks' decode: at 146 MB/s of decode and 115 MB/s
+      of link, priced as if it did, 8 `high` + 8 int8 came out 10 ms slower than 6 + 10, and
+      priced beside, 21 ms faster.
     - Plans: how many of the remaining chunks go at each level (a context's chunks are the
       same size, so counts are enough), sent in the order that minimises the pipeline's time
       (Johnson's rule). Past `horizon` chunks, the chunks are shared out in `horizon` equal

@@ -150,15 +150,18 @@ def test_on_a_fast_link_int8_meets_a_deadline_that_decode_makes_impossible_for_c
     assert not traces.simulate(cachegen_rule, [2000.0] * 4, paper, 0.45, work, DPPL).deadline_met
 
 
-def test_with_time_to_spare_a_fast_link_mixes_two_levels_priced_alike_to_keep_wire_and_decoder_busy():
-    # 1000 Mbit/s, 16 chunks, a deadline all `high` meets: a `high` chunk decodes in 40 ms and
-    # crosses in 8; int8 decodes in 4 and crosses in 24. Priced alike (a model's own `high`
-    # against int8 from the catalog), the plan that finishes first sends some of each, `high`
-    # first (the decoder's work starts while int8 fills the wire), replanning at every chunk.
-    n = 16
+def fast_link_mix(n: int = 16):
+    """16 chunks at 1000 Mbit/s: a `high` chunk decodes in 40 ms and crosses in 8; int8 decodes
+    in 4 and crosses in 24; the two priced alike (a model's own `high` against int8 from the
+    catalog). Returns n, sizes, work, dppl."""
     sizes = {"high": [1_000_000] * n, "int8": [3_000_000] * n}
-    work = {"high": 0.040, "int8": 0.004}
-    dppl = catalog.dppl_table(sizes, {"high": 0.08})
+    return n, sizes, {"high": 0.040, "int8": 0.004}, catalog.dppl_table(sizes, {"high": 0.08})
+
+
+def test_with_time_to_spare_a_fast_link_mixes_two_levels_priced_alike_to_keep_wire_and_decoder_busy():
+    # A deadline all `high` meets: the plan that finishes first sends some of each, `high`
+    # first (the decoder's work starts while int8 fills the wire), replanning at every chunk.
+    n, sizes, work, dppl = fast_link_mix()
     mixed = traces.simulate(adaptive_rule, [1000.0], sizes, 2.0, work, dppl)
     alone = {lv: traces.simulate(fixed([lv] * n), [1000.0], sizes, 2.0, work, dppl).total_seconds for lv in sizes}
     assert mixed.total_seconds < 0.8 * min(alone.values()), (mixed, alone)
@@ -171,10 +174,7 @@ def test_a_level_the_receiver_decodes_beside_the_coded_ones_does_not_wait_behind
     # chunk lands (node/fetch.py): int8's 4 ms no longer queue behind the `high` backlog, so
     # more `high` fits beside the wire, and the context is in sooner than with the plan that
     # priced int8 as queued -- on that receiver, and by the plan's own prediction.
-    n = 16
-    sizes = {"high": [1_000_000] * n, "int8": [3_000_000] * n}
-    work = {"high": 0.040, "int8": 0.004}
-    dppl = catalog.dppl_table(sizes, {"high": 0.08})
+    n, sizes, work, dppl = fast_link_mix()
     queued = traces.simulate(adaptive_rule, [1000.0], sizes, 2.0, work, dppl)
     aside = traces.simulate(adaptive_rule, [1000.0], sizes, 2.0, work, dppl, beside=frozenset({"int8"}))
     as_planned_before = traces.simulate(fixed(list(queued.levels)), [1000.0], sizes, 2.0, work, dppl,
