@@ -41,6 +41,13 @@ def is_level(name: str) -> bool:
     return scheme is not None and scheme.is_level
 
 
+def decoded_as_it_lands(name: str) -> bool:
+    """Whether a fetcher decodes a chunk at `name` as it lands, in a thread of its own (a
+    baseline scheme: one pass), rather than queue it for the codec workers behind the coded
+    chunks before it (node/fetch.py); a sender's plan prices it so (transport Situation.beside)."""
+    return not is_level(name)
+
+
 # Δppl over 768 scored tokens is noisy to about ±0.3 points: int8 measures -0.09% and high +0.31%
 # (at KL 0.00102, less than half of balanced's 0.00233, whose Δppl is +0.22%). Both count as 0,
 # the near-lossless levels, which keeps the ladder in KL order. The baselines' decode rates are

@@ -204,7 +204,7 @@ def copy_serial_(dst: torch.Tensor, src: torch.Tensor) -> None:
     (OpenMP's wait), and at 1000 Mbit/s that spinning took ~100 ms of the two cores' time from
     the decode in a 0.35 s fetch (16 chunks copied pooled: 180 ms of the process's CPU time; in
     pieces: 70 ms; docs/benchmarks.md). A tensor off the CPU is copied whole."""
-    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.numel() <= SERIAL_ELEMENTS or dst.dim() == 0:
+    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.numel() <= SERIAL_ELEMENTS:
         dst.copy_(src)
         return
     inner = dst[0].numel()
@@ -212,7 +212,7 @@ def copy_serial_(dst: torch.Tensor, src: torch.Tensor) -> None:
         for i in range(dst.shape[0]):
             copy_serial_(dst[i], src[i])
         return
-    step = max(1, SERIAL_ELEMENTS // max(inner, 1))
+    step = SERIAL_ELEMENTS // max(inner, 1)
     for i in range(0, dst.shape[0], step):
         dst[i:i + step].copy_(src[i:i + step])
 

@@ -190,7 +190,7 @@ class Serving:
                                  on_sent=lambda i, lv, n: (self.metrics.chunks.labels(lv, "sent").inc(),
                                                            release(recs[i].key)),
                                  count=held, level_of=level_of, text_last=bool(fetch.text_last), text_s=text_s,
-                                 beside=[lv for lv in coded if not catalog.is_level(lv)])
+                                 beside=[lv for lv in coded if catalog.decoded_as_it_lands(lv)])
         if done.stopped_at is not None:
             self.metrics.error("fetch_not_found")
             i = done.stopped_at

@@ -584,7 +584,7 @@ class FetchJob:
         tasks: list[asyncio.Task] = []
         try:
             while (item := await inp.get()) is not None:
-                coded = item.kind == "kv" and catalog.is_level(item.level)
+                coded = item.kind == "kv" and not catalog.decoded_as_it_lands(item.level)
                 if coded:
                     await slots.acquire()
                 task = asyncio.ensure_future(self._decode_one(item, slots if coded else None, busy))
