@@ -305,7 +305,8 @@ class Client:
     def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
               dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
               recompute_tokens_per_s: float | None = None,
-              device: str = "cpu", text_last: bool = False, recompute_doubling_tokens: float | None = None) -> Fetch:
+              device: str = "cpu", text_last: bool = False, recompute_doubling_tokens: float | None = None,
+              order: str = "prompt") -> Fetch:
         """Start a fetch; returns once the daemon has planned it (`found_tokens`, the buffer).
         Iterate it for the chunk events; use it as a context manager to release the buffer.
         `levels`: accept only these (one level alone: every chunk at exactly that level).
@@ -315,10 +316,12 @@ class Client:
         `device="cuda"`: decode on the daemon's GPU into device memory mapped here by CUDA IPC;
         a daemon without one says why in `start.gpu_unavailable` and uses shared memory.
         `text_last`: chunks come as TEXT only after every KV chunk (a caller that holds a KV
-        prefix and then computes, as vLLM does)."""
+        prefix and then computes, as vLLM does). `order="landed"`: each KV chunk's event as soon
+        as its KV is in the buffer, ahead of chunks before it still decoding (events.ORDERS);
+        TEXT events still after every chunk before them."""
         conn, resp = self._request(*request("fetch"), _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
                                                                  recompute_tokens_per_s, device, text_last,
-                                                                 recompute_doubling_tokens))
+                                                                 recompute_doubling_tokens, order))
         if resp.status >= 400:
             raw = resp.read()
             conn.close()
@@ -402,13 +405,13 @@ def _probe_body(nbytes: int | None, timeout_s: float | None) -> dict:
 
 
 def _fetch_body(model_id, tokens, deadline_ms, dtype, levels=None, recompute_tps=None, device="cpu",
-                text_last=False, doubling=None) -> dict:
+                text_last=False, doubling=None, order="prompt") -> dict:
     """The POST /v1/fetch body of an events.FetchRequest: its set fields."""
     req = events.FetchRequest(model_id, list(map(int, tokens)), DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype)
                               else dtype, None if deadline_ms is None else int(deadline_ms),
                               None if levels is None else list(levels),
                               None if recompute_tps is None else float(recompute_tps), device, bool(text_last),
-                              None if doubling is None else float(doubling))
+                              None if doubling is None else float(doubling), order)
     defaults = events.FetchRequest(model_id, [])
     return {f.name: getattr(req, f.name) for f in dataclasses.fields(req)
             if f.name in ("model_id", "tokens", "dtype") or getattr(req, f.name) != getattr(defaults, f.name)}
@@ -541,10 +544,10 @@ class AsyncClient:
                     dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
                     recompute_tokens_per_s: float | None = None,
                     device: str = "cpu", text_last: bool = False,
-                    recompute_doubling_tokens: float | None = None) -> AsyncFetch:
+                    recompute_doubling_tokens: float | None = None, order: str = "prompt") -> AsyncFetch:
         resp = await self._send(*request("fetch"), _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
                                                                  recompute_tokens_per_s, device, text_last,
-                                                                 recompute_doubling_tokens))
+                                                                 recompute_doubling_tokens, order))
         if resp.status >= 400:
             raw = await resp.read()
             resp.release()

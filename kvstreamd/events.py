@@ -9,6 +9,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 
+# The orders a fetch's chunk events may come in (FetchRequest.order). "prompt": chunk i's event
+# after chunk i-1's. "landed": a KV chunk's event as soon as its KV is in the buffer, ahead of
+# chunks before it still decoding (at 1000 Mbit/s an int8 chunk lands in a few ms while the
+# entropy-coded chunks sent before it decode for ~100 ms more; in prompt order the model process
+# could copy none of them until those were done); TEXT events still come after every chunk
+# before them, so a TEXT tail is computed on KV that is all there.
+ORDERS = ("prompt", "landed")
+
+
 @dataclass(frozen=True)
 class FetchRequest:
     """POST /v1/fetch: the longest cached prefix of `tokens`, into a buffer the client maps."""
@@ -26,6 +35,7 @@ class FetchRequest:
     # prompt (recompute_tokens_per_s being the rate there): TEXT is priced by position
     # (transport.policy.text_seconds); None: at recompute_tokens_per_s everywhere
     recompute_doubling_tokens: float | None = None
+    order: str = "prompt"  # of the chunk events: one of ORDERS
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,8 @@ class Start:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One chunk has landed: its KV is in the buffer at [start, end), or it must be recomputed."""
+    """One chunk has landed: its KV is in the buffer at [start, end), or it must be recomputed.
+    Events come in prompt order, or KV ones as they land (FetchRequest.order, ORDERS)."""
 
     event: ClassVar[str] = "chunk"
     i: int

@@ -86,8 +86,9 @@ class _Recompute:
     run as one pass where they come together (GATHER_S), and consecutive passes extend one
     running cache, as a prefill in blocks would (bit for bit the KV a prefill here in the same
     blocks makes: `blocks`); a TEXT chunk after KV chunks starts a cache from what `kv` holds
-    before it, which the fetch has filled by then (its events come in prompt order, and each KV
-    chunk is copied before the next event is read)."""
+    before it, which the fetch has filled by then (a TEXT event comes after every chunk before
+    it, whatever order KV events come in, and each KV chunk is copied before the next event is
+    read)."""
 
     def __init__(self, model, prompt: list[int], kv: PrefixKV, dtype: torch.dtype) -> None:
         self.model, self.prompt, self.kv, self.dtype = model, prompt, kv, dtype
@@ -226,11 +227,13 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     try:
         with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=told,
                           device="cuda" if device.type == "cuda" else "cpu",
-                          recompute_doubling_tokens=recompute_doubling_tokens) as f:
+                          recompute_doubling_tokens=recompute_doubling_tokens, order="landed") as f:
             # A copy, always (even in the same dtype and device): the buffer is released on exit. Laid
             # out heads-first, as the model's cache holds it, so that generate() need not copy it again;
             # each chunk is copied out as it lands, while the next ones stream in, on this thread
-            # alone (the daemon's codec workers need the cores meanwhile: layout.copy_serial_).
+            # alone (the daemon's codec workers need the cores meanwhile: layout.copy_serial_), KV
+            # chunks in the order they land (an int8 chunk is copied while the `high` chunks sent
+            # before it still decode, not after them).
             src = f.prefix
             kv = src.empty_heads_first(device=device, dtype=dtype, room=max(0, grow_to - src.tokens),
                                        empty=HOST_MEMORY.empty) if src is not None else None

@@ -33,9 +33,11 @@
                                      it at each level; without them, at the level's one scale
     POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?, device?,
                                      recompute_tokens_per_s?, text_last?,
-                                     recompute_doubling_tokens?} -> NDJSON events:
+                                     recompute_doubling_tokens?, order?} -> NDJSON events:
                                      start (the buffer to attach), chunk (one per chunk as it
-                                     lands: kv or text), end (totals and per-stage timings)
+                                     lands: kv or text; in prompt order, or with order "landed"
+                                     each kv one as soon as it is in the buffer), end (totals
+                                     and per-stage timings)
     DELETE /v1/buffers/{name}        the client is done with a fetch's buffer
     GET    /v1/pins                  lasting pins: [{key, chunks, bytes}]
     POST   /v1/pins                  {model_id, tokens} -> pin the context held here whole for
@@ -264,9 +266,12 @@ def fetch_request(body: dict) -> FetchRequest:
     device = _field(body, "device", str, "cpu")
     if device not in ("cpu", "cuda"):
         raise _bad(f'device must be "cpu" or "cuda", not {_shown(device)}')
+    order = _field(body, "order", str, "prompt")
+    if order not in events.ORDERS:
+        raise _bad(f"order must be one of {list(events.ORDERS)}, not {_shown(order)}")
     return FetchRequest(_model_id(body), _tokens(body), _dtype(body), deadline_ms, _levels(body),
                         recompute_tps, device, _field(body, "text_last", bool, False),
-                        _number(body, "recompute_doubling_tokens", (int, float), 1, MAX_DOUBLING_TOKENS))
+                        _number(body, "recompute_doubling_tokens", (int, float), 1, MAX_DOUBLING_TOKENS), order)
 
 
 # -- handlers --------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ class _Item:
 @dataclass
 class FetchResult:
     events: int = 0
-    levels: list[str] = field(default_factory=list)
+    levels: list[str] = field(default_factory=list)  # of each chunk, in prompt order
     bytes: int = 0
     errors: list[str] = field(default_factory=list)
     deadline_missed: bool = False
@@ -190,6 +190,7 @@ class FetchJob:
         self._distrusted: set[str] = set()  # peers cooled down in this fetch for TEXT another sent as KV
         self._open: set[str] = set()  # peers with a FETCH of this fetch out (not ended)
         self._quiet: set[str] = set()  # of those, the ones that have delivered nothing yet
+        self._levels: dict[int, str] = {}  # chunk -> the level it was filled at (FetchResult.levels, in order)
 
     def _remaining_ms(self) -> int:
         return int(self.options.deadline_ms - (time.monotonic() - self._t0) * 1000)
@@ -574,22 +575,22 @@ class FetchJob:
     async def _decode(self, inp: asyncio.Queue, out: asyncio.Queue) -> None:
         """Up to DECODE_DEPTH coded chunks decode at once (the workers take a chunk's streams
         between them, so one chunk alone leaves them idle while the daemon hands it over and
-        collects it), in the order they arrive; the fill stage puts them back in order. A chunk
-        of a baseline scheme (int8, fp16: one pass in a thread of this process) takes no slot:
-        it decodes as it lands, beside the coded chunks before it, rather than wait behind them
-        (at 1000 Mbit/s the int8 chunks of a mixed plan arrived while the codec workers were
-        still on the `high` ones, and came ready only after them, one slot at a time)."""
+        collects it), in the order they arrive; each is handed to the fill stage as it is done,
+        which puts them back in order (or, for a fetch that takes KV as it lands, emits it at
+        once). A chunk of a baseline scheme (int8, fp16: one pass in a thread of this process)
+        takes no slot: it decodes as it lands, beside the coded chunks before it, rather than
+        wait behind them -- nor behind one waiting for a slot: coded chunks queue for their
+        slots on their own, and this stage goes on taking what arrives (at 1000 Mbit/s the int8
+        chunks of a mixed plan arrived while the codec workers were still on the `high` ones, and
+        waited until the last `high` had a slot)."""
         slots = asyncio.Semaphore(1 if self.stages is not None else DECODE_DEPTH)  # CUDA stages: one at a time
         busy = _Busy()
         tasks: list[asyncio.Task] = []
         try:
             while (item := await inp.get()) is not None:
                 coded = item.kind == "kv" and not catalog.decoded_as_it_lands(item.level)
-                if coded:
-                    await slots.acquire()
                 task = asyncio.ensure_future(self._decode_one(item, slots if coded else None, busy))
-                tasks.append(task)
-                await out.put(task)
+                tasks += [task, asyncio.ensure_future(self._hand_on(task, out))]
                 tasks = [t for t in tasks if not t.done()]
             await asyncio.gather(*tasks)
         finally:
@@ -598,9 +599,17 @@ class FetchJob:
         self.result.stage_s["decode"] = busy.total
         await out.put(None)
 
+    @staticmethod
+    async def _hand_on(task: asyncio.Task, out: asyncio.Queue) -> None:
+        """`task` to the fill stage once it is done (which reads its result, or its error)."""
+        await asyncio.wait({task})
+        await out.put(task)
+
     async def _decode_one(self, item: _Item, slots: asyncio.Semaphore | None, busy: "_Busy") -> _Item:
-        """Decode one chunk (a TEXT one passes through); `slots`: the semaphore it holds a slot
-        of, released when done (None: it holds none)."""
+        """Decode one chunk (a TEXT one passes through); `slots`: the semaphore it takes a slot
+        of (in the order chunks arrive), released when done (None: it takes none)."""
+        if slots is not None:
+            await slots.acquire()
         try:
             if item.kind == "kv":
                 await self._reserved()
@@ -701,18 +710,29 @@ class FetchJob:
 
     async def _fill(self, inp: asyncio.Queue, emit: Callable[[events.Event], Awaitable[None]]) -> None:
         """Chunks in order, whatever order they decoded in: one decoded ahead of a chunk not yet
-        in waits here (decoded straight into the buffer, as on host memory, it holds nothing)."""
+        in waits here (decoded straight into the buffer, as on host memory, it holds nothing).
+        For a fetch that takes KV as it lands (order "landed"), a KV chunk ahead of its turn is
+        filled and its event sent at once; TEXT still waits for every chunk before it."""
+        landed = self.options.order == "landed"
         busy = 0.0
         early: dict[int, _Item] = {}
+        ahead: set[int] = set()  # chunks filled and told ahead of their turn
         nxt = 0
         while (task := await inp.get()) is not None:
             item = await task
-            early[item.i] = item
-            while nxt in early:
-                busy += await self._fill_one(early.pop(nxt), emit)
+            if landed and item.kind == "kv" and item.i > nxt:
+                busy += await self._fill_one(item, emit)
+                ahead.add(item.i)
+            else:
+                early[item.i] = item
+            while nxt in early or nxt in ahead:
+                if nxt in early:
+                    busy += await self._fill_one(early.pop(nxt), emit)
+                ahead.discard(nxt)
                 nxt += 1
         for i in sorted(early):  # none when every chunk came (each does, as KV or TEXT)
             busy += await self._fill_one(early.pop(i), emit)
+        self.result.levels = [self._levels[i] for i in sorted(self._levels)]
         self.result.stage_s["fill"] = busy
 
     async def _fill_one(self, item: _Item, emit: Callable[[events.Event], Awaitable[None]]) -> float:
@@ -729,7 +749,7 @@ class FetchJob:
                 await asyncio.to_thread(self._fill_cpu, item.i, item.kv)
             busy += time.perf_counter() - t
             item.kv = None
-        self.result.levels.append(item.level)
+        self._levels[item.i] = item.level
         self.result.events += 1
         await emit(events.Chunk(
             item.i, s, e, item.kind, item.level, item.source, t_ms=round((time.monotonic() - self._t0) * 1000, 2),

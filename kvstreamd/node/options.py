@@ -28,6 +28,7 @@ class FetchOptions:
     keep_fetched: bool  # store the chunks peers sent, to serve them onward
     text_last: bool = False  # its senders send TEXT only after every KV chunk (events.FetchRequest)
     recompute_doubling_tokens: float | None = None  # TEXT priced by position (events.FetchRequest)
+    order: str = "prompt"  # of its chunk events (events.ORDERS)
 
     @classmethod
     def of(cls, req: FetchRequest, cfg: Config, arrived: float) -> FetchOptions:
@@ -42,4 +43,5 @@ class FetchOptions:
                    recompute_tokens_per_s=req.recompute_tokens_per_s or cfg.fetch.recompute_tokens_per_s,
                    stall_s=cfg.fetch.stall_s, arm=arm, experiment=exp.label,
                    rule=(exp.rule or None) if candidate else None, keep_fetched=cfg.store.keep_fetched,
-                   text_last=req.text_last, recompute_doubling_tokens=req.recompute_doubling_tokens)
+                   text_last=req.text_last, recompute_doubling_tokens=req.recompute_doubling_tokens,
+                   order=req.order)

@@ -146,6 +146,18 @@ async def test_a_text_last_that_is_not_a_boolean_is_bad_request(api):
         assert await error_of(api, "POST", "/v1/fetch", body) == (400, "bad_request"), value
 
 
+async def test_an_event_order_not_known_is_bad_request(api):
+    for value in ("random", "", 1, None):
+        body = {**GOOD_FETCH, "order": value}
+        assert await error_of(api, "POST", "/v1/fetch", body) == (400, "bad_request"), value
+
+
+def test_an_event_order_reaches_the_request_and_the_fetch_options():
+    assert fetch_request(GOOD_FETCH).order == "prompt"
+    req = fetch_request({**GOOD_FETCH, "order": "landed"})
+    assert req.order == "landed" and FetchOptions.of(req, Config(), 0.0).order == "landed"
+
+
 async def test_an_unknown_route_or_method_is_a_json_error(api):
     assert await error_of(api, "GET", "/v1/nothing") == (404, "http")
     assert await error_of(api, "GET", "/v1/fetch") == (405, "http")

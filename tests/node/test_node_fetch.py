@@ -6,12 +6,14 @@ are scripted peers made from the transport alone (transport.aio with the cluster
 No subprocess, no root."""
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
 import torch
 
 import codec
+from codec import baselines
 from tests.fixtures import (MODEL, SECRET, TEXT, ScriptedPeer, bounds, client, connected, context, decoded,
                             encoded, events_of, keys_of, sees, serve_chunks, stored, until)
 from kvstreamd.client import AsyncClient
@@ -331,6 +333,45 @@ async def test_a_chunk_the_holder_sends_as_text_is_a_text_event_from_that_holder
     assert [(ev.kind, ev.source) for ev in events] == [("kv", "holder"), ("text", "holder"), ("kv", "holder")]
     end = f.end
     assert end.text_ranges == [[256, 512]] and end.errors == []
+
+
+async def test_a_fetch_in_landed_order_tells_each_kv_chunk_as_it_lands_and_text_after_every_chunk_before(
+        inprocess, small_profile):
+    """Chunks 1 and 2 (int8) land while chunk 0 (coded) has not come: asked with order "landed",
+    their events come first; the TEXT chunk 3, sent before any of them, comes after chunk 0."""
+    (b,) = await inprocess(["b"])
+    tokens, kv = context(1000)  # chunks of 256, 256, 256, 232
+    coded = encoded(kv, small_profile)
+    int8 = [baselines.SCHEMES["int8"].encode(kv[:, :, s:e].contiguous()) for s, e in bounds(1000)]
+    told = asyncio.Event()  # the client has the events of chunks 1 and 2
+
+    async def script(stream, fetch):
+        await stream.send_text(3, tokens[768:])
+        await stream.send_chunk(1, "int8", int8[1])
+        await stream.send_chunk(2, "int8", int8[2])
+        await told.wait()
+        await stream.send_chunk(0, "balanced", coded[0])
+        for _ in range(4):
+            await stream.acks.get()
+        await stream.end()
+
+    await ScriptedPeer("holder", script).join(b, keys_of(tokens))
+    await sees(b, "holder", tokens, 1000)
+    async with client(b) as cb:
+        async with await cb.fetch(MODEL, tokens, deadline_ms=30_000, levels=["balanced", "int8"],
+                                  order="landed") as f:
+            events = []
+            async for ev in f:
+                events.append(ev)
+                if {e.i for e in events} == {1, 2}:
+                    told.set()
+            for ev in events[:3]:
+                want = decoded(kv, small_profile, "balanced", ev.start, ev.end) if ev.level == "balanced" else \
+                    baselines.SCHEMES["int8"].decode(int8[ev.i])
+                assert torch.equal(f.kv[:, :, ev.start:ev.end], want)
+    assert sorted((ev.i, ev.kind, ev.level) for ev in events[:2]) == [(1, "kv", "int8"), (2, "kv", "int8")]
+    assert [(ev.i, ev.kind, ev.level) for ev in events[2:]] == [(0, "kv", "balanced"), (3, "text", "text")]
+    assert f.end.levels == ["balanced", "int8", "int8", "text"] and f.end.text_ranges == [[768, 1000]]
 
 
 def damage(d, key: bytes) -> None:
