@@ -169,6 +169,17 @@ def test_with_time_to_spare_a_fast_link_mixes_two_levels_priced_alike_to_keep_wi
     assert 4 <= mixed.levels.count("high") <= 10, mixed.levels
 
 
+def test_the_safety_discount_falls_on_the_decoder_as_on_the_link_so_it_leans_no_mix_either_way():
+    # Discounting both stages alike moves every plan's time by one factor: the plan chosen at
+    # any safety is the one chosen at none. (Discounting the link alone chose more `high`.)
+    n, sizes, work, dppl = fast_link_mix()
+    for mbit in (600.0, 1000.0, 1500.0):
+        s = Situation(bandwidth=mbit * 1e6 / 8, sizes=sizes, work_s=work, dppl=dppl, deadline_s=2.0,
+                      beside=frozenset({"int8"}))
+        plan = lambda safety: adaptive_rule(s, safety=safety).reason.split(": ")[1].split(" in ")[0]  # noqa: E731
+        assert plan(0.9) == plan(1.0) == plan(0.7), mbit
+
+
 def test_a_level_the_receiver_decodes_beside_the_coded_ones_does_not_wait_behind_their_decode():
     # The same 1000 Mbit/s mix, on a receiver that decodes int8 in a thread of its own as each
     # chunk lands (node/fetch.py): int8's 4 ms no longer queue behind the `high` backlog, so
