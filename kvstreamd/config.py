@@ -137,6 +137,7 @@ class ApiConfig:
     socket_mode: int = _key(0o660, parse=_mode)
     max_fetches: int = _key(16, parse=_int(1), reload=True)
     buffer_lease_s: float = _key(300.0, parse=_float(gt=0), reload=True)
+    spare_buffer_bytes: int = _key(512 * MiB, parse=_size(0), reload=True)
     metrics_listen: tuple[str, int] | None = _key(None, parse=_listen_or_none)  # GET /metrics over TCP
 
 

@@ -116,6 +116,9 @@ class Metrics:
         self.fetches_active = Gauge("kvstreamd_fetches_active", "Local fetches in progress", registry=r)
         self.buffers_held = Gauge("kvstreamd_buffers_held", "Shared-memory buffers not yet released", registry=r)
         self.buffer_bytes = Gauge("kvstreamd_buffer_bytes", "Bytes in shared-memory buffers not yet released", registry=r)
+        self.spare_buffer_bytes = Gauge("kvstreamd_buffer_spare_bytes", "Bytes in shared-memory buffers released "
+                                        "by their clients and kept for the next fetch ([api] spare_buffer_bytes)",
+                                        registry=r)
         # Predictive prefetch (prefetch.py).
         self.prefetches = Counter("kvstreamd_prefetches", "Successor contexts prefetched, by outcome (done; held: "
                                   "nothing to fetch; not_held: no peer holds it; no_room: past [prefetch] memory_share; "

@@ -21,7 +21,7 @@ from kvstreamd.coder import Coder
 from kvstreamd.config import Config
 from kvstreamd.events import FetchRequest
 from kvstreamd.features import Feature, FetchBegan, FetchEnded
-from kvstreamd.handoff.buffers import FetchBuffer, HostBuffer
+from kvstreamd.handoff.buffers import FetchBuffer, HostBuffer, nbytes_of
 from kvstreamd.metrics import Metrics
 from kvstreamd.node.errors import RequestError
 from kvstreamd.node.fetch import FetchJob, Plan, plan
@@ -220,6 +220,9 @@ class Fetches:
         if on_gpu:
             from kvstreamd.handoff.cuda_ipc import CudaBuffer
             return await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index)
+        spare = self.leases.spares.take(nbytes_of(shape, dtype))
+        if spare is not None:
+            return spare
         return HostBuffer.create(shape, dtype, reserve=False)  # reserved off the event loop (_fetch)
 
     def _account(self, p: Plan, tokens, kv_tokens, text_tokens, total, res, arm: str) -> None:

@@ -48,7 +48,7 @@ class Node:
         self.gpu_why = gpu_why
         self.features = {f.name: f for f in features}
         self.started = time.time()
-        self.leases = BufferLeases(cfg.api.buffer_lease_s, metrics)
+        self.leases = BufferLeases(cfg.api.buffer_lease_s, metrics, cfg.api.spare_buffer_bytes)
         self.lasting_pins = Pins(store, cfg.codec.chunk_tokens, self.profile_for)
         self.puts = Puts(cfg, store, coder, metrics, self.lasting_pins, self.profile_for)
         self.fetches = Fetches(cfg, store, directory, coder, peers, metrics, self.leases, list(features),
@@ -117,7 +117,7 @@ class Node:
         self.leases.hold(buf)
 
     def release_buffer(self, name: str) -> bool:
-        return self.leases.release(name)
+        return self.leases.release(name, spare=True)
 
     def release_all(self) -> None:
         self.leases.release_all()
@@ -201,6 +201,7 @@ class Node:
         m.store_budget.labels("pin").set(u.pin_budget)
         m.buffers_held.set(len(self.leases))
         m.buffer_bytes.set(self.leases.nbytes())
+        m.spare_buffer_bytes.set(self.leases.spares.nbytes())
         m.set_degraded({f["reason"] for f in self.degraded()})
         m.set_codec_restarts(self.coder.pool.restarts)
         m.set_peers_up({p["address"]: p["connected"] for p in self.peers.info() if p["configured"]})
@@ -214,7 +215,8 @@ class Node:
                 "uptime_s": round(time.time() - self.started, 1), "config": str(cfg.source) if cfg.source else None,
                 "api_socket": str(cfg.api.socket), "peer_port": self.peers.port,
                 "peers_connected": self.peers.connected(), "fetches_active": len(self.fetches.active),
-                "buffers_held": len(self.leases), "decode_mbps": round(self.coder.decode_mbps, 1),
+                "buffers_held": len(self.leases), "buffers_spare": len(self.leases.spares),
+                "decode_mbps": round(self.coder.decode_mbps, 1),
                 "levels": list(cfg.codec.levels), "chunk_tokens": cfg.codec.chunk_tokens,
                 "directory": self.directory.info(),
                 "health": {"status": "stopping" if self.stopping else "degraded" if faults else "ok",

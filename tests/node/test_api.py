@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import logging
 import struct
 from pathlib import Path
@@ -189,8 +190,8 @@ async def test_fetch_streams_ndjson_start_then_a_chunk_per_chunk_then_end(inproc
     await request(a, "DELETE", f"/v1/buffers/{start['buffer']}")
 
 
-async def test_releasing_a_fetch_buffer_unlinks_it(inprocess):
-    (a,) = await inprocess(["a"])
+async def test_releasing_a_fetch_buffer_unlinks_it_where_no_spares_are_kept(inprocess):
+    (a,) = await inprocess(["a"], api={"spare_buffer_bytes": 0})
     tokens, kv = context(300)
     async with client(a) as ca:
         await ca.put(MODEL, tokens, kv)
@@ -203,6 +204,31 @@ async def test_releasing_a_fetch_buffer_unlinks_it(inprocess):
     async with client(a) as ca:
         assert (await ca.status())["buffers_held"] == 0
     assert await error_of(a, "DELETE", f"/v1/buffers/{name}") == (404, "not_found")  # only once
+
+
+async def test_a_released_buffer_is_kept_for_the_next_fetch_that_fits_and_holds_that_fetchs_kv(
+        inprocess, small_profile):
+    (a,) = await inprocess(["a"])
+    tokens, kv = context(600)
+    other, other_kv = context(300, seed=1, first=5000)
+    async with client(a) as ca:
+        await ca.put(MODEL, tokens, kv)
+        await ca.put(MODEL, other, other_kv)
+        async with await ca.fetch(MODEL, tokens, deadline_ms=30_000) as f:
+            name, nbytes = f.start.buffer, 2 * math.prod(f.start.shape)
+            [ev async for ev in f]
+        st = await ca.status()
+        assert shm_exists(name) and (st["buffers_held"], st["buffers_spare"]) == (0, 1)
+        assert f"kvstreamd_buffer_spare_bytes {float(nbytes)}" in await ca.metrics()
+        async with await ca.fetch(MODEL, other, deadline_ms=30_000) as f:  # a smaller one fits in it
+            assert f.start.buffer == name and (await ca.status())["buffers_spare"] == 0
+            for ev in [ev async for ev in f]:
+                want = codec.decode(codec.encode(other_kv[:, :, ev.start:ev.end].contiguous(), ev.level, small_profile,
+                                                 start=ev.start))
+                assert torch.equal(f.kv[:, :, ev.start:ev.end], want)
+        assert (await ca.status())["buffers_spare"] == 1
+    a.node.release_all()  # as at shutdown: the spares go too
+    assert not shm_exists(name)
 
 
 async def test_a_fetch_buffer_has_the_dtype_asked_for(inprocess, small_profile):
@@ -348,7 +374,7 @@ async def test_the_async_client_has_every_method_of_the_blocking_client(inproces
 
 
 async def test_a_fetch_used_as_a_context_manager_releases_its_buffer(inprocess):
-    (a,) = await inprocess(["a"])
+    (a,) = await inprocess(["a"], api={"spare_buffer_bytes": 0})
     tokens, kv = context(600)
     async with client(a) as ca:
         await ca.put(MODEL, tokens, kv)
@@ -362,7 +388,7 @@ async def test_a_fetch_used_as_a_context_manager_releases_its_buffer(inprocess):
 
 
 async def test_a_fetch_block_left_by_an_exception_still_releases_its_buffer(inprocess):
-    (a,) = await inprocess(["a"])
+    (a,) = await inprocess(["a"], api={"spare_buffer_bytes": 0})
     tokens, kv = context(600)
     async with client(a) as ca:
         await ca.put(MODEL, tokens, kv)

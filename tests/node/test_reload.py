@@ -31,6 +31,8 @@ CHANGES = {
                             lambda d: logging.getLogger().level == logging.DEBUG),
     ("api", "max_fetches"): ({"api": {"max_fetches": 3}}, lambda d: d.node.fetches.max_fetches == 3),
     ("api", "buffer_lease_s"): ({"api": {"buffer_lease_s": 7.5}}, lambda d: d.node.leases.lease_s == 7.5),
+    ("api", "spare_buffer_bytes"): ({"api": {"spare_buffer_bytes": "3MiB"}},
+                                    lambda d: d.node.leases.spares.budget == 3 * 2**20),
     ("peer", "peers"): ({"peer": {"peers": ["127.0.0.1:9"]}},
                         lambda d: {p["address"] for p in d.peers.info() if p["configured"]} == {"127.0.0.1:9"}),
     ("peer", "secret"): ({"peer": {"secret": "a-new-cluster-secret"}},
