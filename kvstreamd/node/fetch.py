@@ -45,7 +45,7 @@ from transport.policy import TEXT, text_seconds
 
 from kvstreamd import events
 from kvstreamd.cluster.admission import Refused, Wanted, admit
-from kvstreamd.coder import Coder
+from kvstreamd.coder import Coder, DecodeTally
 from kvstreamd.cluster.directory import Directory, Holders
 from kvstreamd.metrics import Metrics
 from kvstreamd.node.options import FetchOptions
@@ -58,6 +58,8 @@ log = logging.getLogger("kvstreamd.pipeline")
 
 QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
 DECODE_DEPTH = 2  # chunks decoding at once
+# The weight of one fetch's decodes in the decode rate told to senders (Coder.observe)
+FETCH_RATE_WEIGHT = 0.5
 
 grace_s = aio.grace_s  # a fetch ends within its wait + max(1 s, 10% of the deadline), whatever its peers do
 
@@ -191,6 +193,7 @@ class FetchJob:
         self._open: set[str] = set()  # peers with a FETCH of this fetch out (not ended)
         self._quiet: set[str] = set()  # of those, the ones that have delivered nothing yet
         self._levels: dict[int, str] = {}  # chunk -> the level it was filled at (FetchResult.levels, in order)
+        self.tally = DecodeTally()  # its coded chunks' decodes on the CPU: one sample of the told rate
 
     def _remaining_ms(self) -> int:
         return int(self.options.deadline_ms - (time.monotonic() - self._t0) * 1000)
@@ -220,6 +223,7 @@ class FetchJob:
             # A fetch whose chunks all came as TEXT wrote nothing into the buffer, but its client
             # may still read it: it ends only once the pages are there (or fails, saying why).
             await self._reserved()
+            self.coder.observe(self.tally.mb, self.tally.seconds, alpha=FETCH_RATE_WEIGHT)
         finally:
             for s in stages:
                 s.cancel()
@@ -618,10 +622,11 @@ class FetchJob:
                         if self.stages is not None and catalog.is_level(item.level):
                             item.kv = await asyncio.to_thread(self._decode_on_device, item)
                         elif (dest := self._destination(item.i)) is not None:
-                            await asyncio.to_thread(self.coder.decode_into, item.level, item.payload, dest, *self.segment)
+                            await asyncio.to_thread(self.coder.decode_into, item.level, item.payload, dest,
+                                                    *self.segment, self.tally)
                             item.filled = True
                         else:
-                            item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload)
+                            item.kv = await asyncio.to_thread(self.coder.decode, item.level, item.payload, self.tally)
                             self._check_shape(item)
                         if item.source not in ("local", "fallback") and self._whole(item.i):
                             self.arrived.append((item.i, item.level, item.payload))

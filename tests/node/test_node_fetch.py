@@ -547,3 +547,25 @@ def test_overlapping_decodes_share_the_clock_they_ran_in(monkeypatch):
     with shares.timed() as alone:
         clock[0] = 6.5
     assert alone[0] == 2.5
+
+
+def test_a_fetchs_coded_decodes_are_one_sample_of_the_rate_it_tells(codec_pool):
+    """Decodes with a tally (a fetch's) leave the told rate alone until the fetch observes
+    their sum as one sample (kvstreamd/coder.py DecodeTally)."""
+    from codec import registry
+    from codec.profile import Profile
+    from kvstreamd.coder import Coder, DecodeTally
+    from tests.fixtures import synthetic_kv
+
+    shipped = Profile.load(registry.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile")
+    kv = synthetic_kv(256, seed=3, layers=shipped.layers, heads=shipped.heads, head_dim=shipped.head_dim).half()
+    payload = codec.encode(kv, "high", shipped, start=0)  # 5.9 MB of fp16: big enough to be timed
+    c = Coder(1, pool=codec_pool)
+    prior, tally = c.decode_mbps, DecodeTally()
+    for _ in range(3):
+        assert torch.equal(c.decode("high", payload, tally), codec.decode(payload, shipped))
+    assert (c.decode_samples, c.decode_mbps) == (0, prior)
+    assert tally.mb == pytest.approx(3 * kv.numel() * 2 / 1e6) and tally.seconds > 0
+    c.observe(tally.mb, tally.seconds, alpha=0.5)
+    assert c.decode_samples == 1
+    assert c.decode_mbps == pytest.approx(0.5 * prior + 0.5 * tally.mb / tally.seconds)
