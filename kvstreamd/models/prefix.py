@@ -63,7 +63,8 @@ class Reuse:
 
     @property
     def levels(self) -> list[str]:
-        return [e.level for e in self.events]
+        """Each chunk's level, in prompt order (the events come as the chunks land)."""
+        return [e.level for e in sorted(self.events, key=lambda e: e.i)]
 
     errors: list[str] = field(default_factory=list)  # why some of what was found was not used
 
