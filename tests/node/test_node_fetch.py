@@ -312,6 +312,19 @@ async def test_a_chunk_of_the_wrong_shape_becomes_text_and_its_holder_is_not_ask
         assert any("chunk 1" in e and "[256, 356)" in e for e in f.end.errors), f.end.errors
 
 
+async def _acked_then_end(stream, chunks: int) -> None:
+    """A scripted holder's close: every chunk it sent acknowledged, then END."""
+    for _ in range(chunks):
+        await stream.acks.get()
+    await stream.end()
+
+
+async def _holder(d, tokens: list[int], script) -> None:
+    """A scripted holder "holder" of `tokens`' chunks, joined to d and seen by its lookups."""
+    await ScriptedPeer("holder", script).join(d, keys_of(tokens))
+    await sees(d, "holder", tokens, len(tokens))
+
+
 async def test_a_chunk_the_holder_sends_as_text_is_a_text_event_from_that_holder(inprocess, small_profile):
     (b,) = await inprocess(["b"])
     tokens, kv = context(600)
@@ -321,12 +334,9 @@ async def test_a_chunk_the_holder_sends_as_text_is_a_text_event_from_that_holder
         await stream.send_chunk(0, "balanced", payloads[0])
         await stream.send_text(1, tokens[256:512])
         await stream.send_chunk(2, "balanced", payloads[2])
-        for _ in range(3):
-            await stream.acks.get()
-        await stream.end()
+        await _acked_then_end(stream, 3)
 
-    await ScriptedPeer("holder", script).join(b, keys_of(tokens))
-    await sees(b, "holder", tokens, 600)
+    await _holder(b, tokens, script)
     async with client(b) as cb:
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000) as f:
             events = await events_of(f)
@@ -351,12 +361,9 @@ async def test_a_fetch_in_landed_order_tells_each_kv_chunk_as_it_lands_and_text_
         await stream.send_chunk(2, "int8", int8[2])
         await told.wait()
         await stream.send_chunk(0, "balanced", coded[0])
-        for _ in range(4):
-            await stream.acks.get()
-        await stream.end()
+        await _acked_then_end(stream, 4)
 
-    await ScriptedPeer("holder", script).join(b, keys_of(tokens))
-    await sees(b, "holder", tokens, 1000)
+    await _holder(b, tokens, script)
     async with client(b) as cb:
         async with await cb.fetch(MODEL, tokens, deadline_ms=30_000, levels=["balanced", "int8"],
                                   order="landed") as f:
