@@ -37,7 +37,7 @@ from codec.layout import PrefixKV
 
 from . import events
 from kvstreamd.routes import request
-from kvstreamd.handoff.shm import Attached, Segment, ShmError
+from kvstreamd.handoff.shm import SHM_DIR, Attached, Segment, ShmError
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # The most KV one put request hands over: a longer context goes as several requests of whole
@@ -395,7 +395,7 @@ def _share_with_daemon(name: str) -> None:
         import grp
         gid = grp.getgrnam("kvstreamd").gr_gid
         if os.getuid() == 0 or gid in os.getgroups():
-            os.chown(f"/dev/shm/{name}", -1, gid)
+            os.chown(f"{SHM_DIR}/{name}", -1, gid)
     except (KeyError, OSError):
         pass
 

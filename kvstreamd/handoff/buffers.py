@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kvstreamd.handoff.shm import DTYPES, Segment, ShmError
+from kvstreamd.handoff.shm import DTYPES, SHM_DIR, Segment, ShmError
 
 log = logging.getLogger("kvstreamd.buffers")
 
@@ -54,7 +54,7 @@ class HostBuffer:
         """reserve=False: the pages are allocated by reserve(), which must come before any write."""
         seg = Segment.create(nbytes_of(shape, dtype), mode=0o660, reserve=reserve)
         try:
-            os.chmod(f"/dev/shm/{seg.name}", 0o660)
+            os.chmod(f"{SHM_DIR}/{seg.name}", 0o660)
         except OSError:
             pass
         return cls(seg)
@@ -78,11 +78,17 @@ class HostBuffer:
         self.segment.unlink()
         threading.Thread(target=self._unmap, name=f"unmap-{self.name}", daemon=True).start()
 
-    def _unmap(self) -> None:
+    def release_now(self) -> None:
+        """release(), the pages freed before it returns (where another buffer needs them)."""
+        self.segment.unlink()
+        self._unmap(lowered=False)
+
+    def _unmap(self, lowered: bool = True) -> None:
         # At the lowest priority: the client releases the buffer as its model starts on the
         # prompt, and freeing the pages took 20-60 ms of a core beside that first token (bench e2e).
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread only
+        if lowered:
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread only
         try:
             self.segment.close()
         except ShmError as e:

@@ -71,6 +71,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 # numpy dtype each torch dtype is mapped through; bfloat16 goes via int16 + Tensor.view.
 _NUMPY = {torch.float16: np.float16, torch.bfloat16: np.int16, torch.float32: np.float32}
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments (a tmpfs), by name
 _NAME_MAX = 255  # NAME_MAX of /dev/shm (tmpfs)
 _TRACKER_TYPE = "shared_memory"  # resource_tracker unlinks these with _posixshmem.shm_unlink
 
@@ -529,7 +530,7 @@ def _pid_alive(pid: int) -> bool | None:
     return True
 
 
-def sweep_stale(prefix: str = PREFIX, shm_dir: str = "/dev/shm") -> list[str]:
+def sweep_stale(prefix: str = PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink segments named ``f"{prefix}-{pid}-<12 hex>"`` (the Segment.create format) whose
     creator pid is not a live process; return the names removed, sorted.
 

@@ -8,10 +8,13 @@ A spare goes to the smallest fetch buffer it can hold, up to `budget` bytes of s
 (the oldest let go first), each for at most IDLE_S. Only a buffer its client released is kept:
 one whose lease ran out, or whose fetch failed, may still be mapped by a client that reads it,
 and is unlinked as before. A reused buffer holds what its last fetch left where the new fetch
-writes nothing (the client reads only what its chunk events name)."""
+writes nothing (the client reads only what its chunk events name). A fetch that needs a new
+buffer where /dev/shm has no room for it first lets spares go (`make_room`): kept spares must
+never fail a fetch that would have had room without them."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from kvstreamd.handoff.buffers import HostBuffer
 
@@ -34,6 +37,12 @@ class SpareBuffers:
         """Keep `buf` (released by its client) for a later fetch, within the budget."""
         self._spares.append((time.monotonic() if now is None else now, buf))
         self._trim()
+
+    def make_room(self, nbytes: int, free: Callable[[], int]) -> None:
+        """Let spares go, oldest first and their pages freed at once, until `free()` (the bytes
+        /dev/shm has free) is at least `nbytes` or none is left."""
+        while self._spares and free() < nbytes:
+            self._spares.pop(0)[1].release_now()
 
     def expire(self, now: float) -> None:
         """Let go of the spares unused for IDLE_S."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from typing import AsyncIterator, Callable
 
@@ -22,6 +23,7 @@ from kvstreamd.config import Config
 from kvstreamd.events import FetchRequest
 from kvstreamd.features import Feature, FetchBegan, FetchEnded
 from kvstreamd.handoff.buffers import FetchBuffer, HostBuffer, nbytes_of
+from kvstreamd.handoff.shm import SHM_DIR
 from kvstreamd.metrics import Metrics
 from kvstreamd.node.errors import RequestError
 from kvstreamd.node.fetch import FetchJob, Plan, plan
@@ -220,9 +222,11 @@ class Fetches:
         if on_gpu:
             from kvstreamd.handoff.cuda_ipc import CudaBuffer
             return await asyncio.to_thread(CudaBuffer.create, shape, dtype, self.gpu.index)
-        spare = self.leases.spares.take(nbytes_of(shape, dtype))
+        nbytes = nbytes_of(shape, dtype)
+        spare = self.leases.spares.take(nbytes)
         if spare is not None:
             return spare
+        self.leases.spares.make_room(nbytes, lambda: shutil.disk_usage(SHM_DIR).free)
         return HostBuffer.create(shape, dtype, reserve=False)  # reserved off the event loop (_fetch)
 
     def _account(self, p: Plan, tokens, kv_tokens, text_tokens, total, res, arm: str) -> None:
