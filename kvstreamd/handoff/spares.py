@@ -34,7 +34,11 @@ class SpareBuffers:
         return self._spares.pop(min(fits)[1])[1]
 
     def give(self, buf: HostBuffer, now: float | None = None) -> None:
-        """Keep `buf` (released by its client) for a later fetch, within the budget."""
+        """Keep `buf` (released by its client) for a later fetch, within the budget; one larger
+        than the whole budget is released at once, the spares kept as they are."""
+        if buf.nbytes > self.budget:
+            buf.release()
+            return
         self._spares.append((time.monotonic() if now is None else now, buf))
         self._trim()
 

@@ -40,7 +40,7 @@ class BufferLeases:
         held = self.held.pop(name, None)
         if held is None:
             return False
-        if spare and isinstance(held.buffer, HostBuffer) and held.buffer.nbytes <= self.spares.budget:
+        if spare and isinstance(held.buffer, HostBuffer):
             self.spares.give(held.buffer)
             return True
         try:
