@@ -110,6 +110,7 @@ class PeerConnection(asyncio.Protocol):
         self._calls: dict[int, FetchCall] = {}  # this side's fetches still running, by req
         self._served: dict[int, ServedFetch] = {}  # the peer's FETCHes with a handler running
         self._pings: dict[float, asyncio.Future[float]] = {}
+        self._last_ping = -math.inf  # the time of this connection's latest PING (_ping)
         self._ping_walls: dict[float, float] = {}  # an unpadded PING's time -> wall clock as it went
         self.clock_offset: float | None = None  # seconds the peer's wall clock is ahead of ours (latest PONG)
         self._reading_paused = False  # what the transport was last told
@@ -236,9 +237,12 @@ class PeerConnection(asyncio.Protocol):
             return await self._ping(bytes(size))
 
     async def _ping(self, pad: bytes | None) -> tuple[float, float]:
-        sent = t = self._loop.time()
-        while t in self._pings:  # the PONG names its PING by time alone: a PING sent in the same
-            t = math.nextafter(t, math.inf)  # tick as another gets a time of its own, just past it
+        sent = self._loop.time()
+        # The PONG names its PING by time alone, so no two PINGs of a connection share one: a
+        # PING sent in the same clock tick as an earlier one (uvloop's clock ticks in
+        # milliseconds) goes just past it. Even one answered already: its waiter's cleanup
+        # below, run after the answer, must not find a later PING under its time.
+        t = self._last_ping = max(sent, math.nextafter(self._last_ping, math.inf))
         fut = self._pings[t] = self._loop.create_future()
         if pad is None:  # a padded PING's round trip holds its transfer: no measure of the clocks
             self._ping_walls[t] = self._wall_clock()

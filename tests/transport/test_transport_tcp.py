@@ -452,3 +452,33 @@ def test_a_ping_and_a_probe_sent_in_one_tick_of_uvloops_clock_time_from_that_tic
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         for rtt, (sent, acked) in runner.run(asyncio.wait_for(main(), LIMIT)):
             assert rtt >= 0 and acked >= sent
+
+
+
+
+def test_a_ping_sent_in_the_tick_of_one_just_answered_is_answered_too():
+    """Fetches to a new peer start a few milliseconds apart, each pinging and probing it. A
+    PING sent in uvloop's clock tick (a millisecond) of one whose PONG had just come, its
+    waiter not yet resumed, took that one's time; the answered one's cleanup then dropped the
+    new one's waiter, and that probe waited for ever (its fetch stalled: tests/system's fifty
+    fetches, now and then). Before the fix this hung in every run."""
+    uvloop = pytest.importorskip("uvloop")
+    rng = random.Random(0)
+
+    async def main() -> list:
+        async with await aio.serve(HOST, 0, "srv", SECRET, streaming_handler()) as srv:
+            peer = await aio.connect(HOST, srv.port, "cli", SECRET)
+
+            async def fetch_starts(delay: float):
+                await asyncio.sleep(delay)
+                return await asyncio.gather(peer.ping(), peer.probe(128 * 1024))
+
+            got = []
+            for _ in range(30):
+                got += await asyncio.gather(*(fetch_starts(rng.random() * 0.005) for _ in range(8)))
+            peer.close()
+            return got
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        got = runner.run(asyncio.wait_for(main(), LIMIT))
+    assert len(got) == 240 and all(rtt >= 0 and acked >= sent for rtt, (sent, acked) in got)
