@@ -168,10 +168,17 @@ class Directory:
 
     def stalled(self, peer: str, first_s: float, max_s: float, why: str = "stalled") -> float:
         """`peer` stopped answering a fetch: lookups skip it for a cooldown of `first_s`,
-        doubled for each stall in a row before it, at most `max_s`. Its keys are kept, so it
-        is found again once the cooldown is over. Returns the cooldown in seconds."""
-        n = self._stalls[peer] = self._stalls.get(peer, 0) + 1
-        cooldown = min(first_s * 2 ** (n - 1), max_s)
+        doubled for each stall in a row before it (a stall after its cooldown ran out, with no
+        fetch served between), at most `max_s`. A stall said while it still cools down is the
+        same incident (the fetches that were streaming from it when it went quiet, each
+        finding it so): it does not double again, the cooldown at its level counted from the
+        latest report. (It did: eight fetches caught by one pause
+        of a holder exiled it for 10 x 2^7 s, capped at 300.) Its keys are kept, so it is
+        found again once the cooldown is over. Returns the seconds it is avoided for."""
+        left = self.cooling(peer)
+        if left is None:
+            self._stalls[peer] = self._stalls.get(peer, 0) + 1
+        cooldown = max(min(first_s * 2 ** (self._stalls.get(peer, 1) - 1), max_s), left or 0.0)
         self._cool_until[peer] = self._clock() + cooldown
         self._cool_why[peer] = why
         return cooldown

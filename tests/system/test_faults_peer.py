@@ -254,10 +254,32 @@ def test_a_stalled_peers_cooldown_doubles_with_each_stall_in_a_row_and_a_served_
     assert held.best(0) == ("q", 1)
     now[0] += 1.0
     assert d.cooling("p") is None and held.longest_prefix(0) == {"p": 2, "q": 1}
-    assert [d.stalled("p", 1.0, 3.0) for _ in range(3)] == [2.0, 3.0, 3.0]  # in a row; at most 3
+    in_a_row = []
+    for _ in range(3):  # each stall after the cooldown before it ran out
+        in_a_row.append(d.stalled("p", 1.0, 3.0))
+        now[0] += in_a_row[-1]
+    assert in_a_row == [2.0, 3.0, 3.0]  # at most 3
     d.served("p")
     assert d.stalled("p", 1.0, 3.0) == 1.0
     assert d.counts() == {"p": 2, "q": 1}  # cooling down, its keys are kept
+
+
+def test_fetches_that_stall_on_one_pause_of_a_peer_cool_it_down_once():
+    """Eight fetches streaming from one holder when it goes quiet each find it stalled: one
+    incident, one cooldown, not one doubling per fetch (10 x 2^7 s, capped at 300)."""
+    now = [100.0]
+    d = PeerDirectory(clock=lambda: now[0])
+    d.add("p", [b"k0"])
+    said = [d.cool_down("p", 2.0)]
+    for _ in range(7):
+        now[0] += 0.01
+        said.append(d.cool_down("p", 2.0))
+    assert said == [10.0] * 8  # each from its own report: the peer was quiet until then
+    now[0] += 10.0
+    assert d.cooling("p") is None
+    assert d.cool_down("p", 2.0) == 20.0  # tried again after it and stalled: a stall in a row
+    now[0] += 1.0
+    assert d.cool_down("p", 2.0, "text_for_kv") == 20.0 and d.cooling_why("p") == "text_for_kv"
 
 
 # -- helpers -------------------------------------------------------------------------------------
