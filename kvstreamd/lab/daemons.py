@@ -136,6 +136,15 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def account(self, chars: int = 4000) -> str:
+        """What a failed test shows of this daemon: its first warnings and errors, then its last
+        lines (a stop's own warnings can fill the tail and hide why a fetch went wrong)."""
+        text = self.log()
+        worse = [ln for ln in text.splitlines() if "level=warning" in ln or "level=error" in ln]
+        first = "\n".join(worse)[:chars]
+        return f"--- daemon {self.name}: warnings and errors, first ones ---\n{first}\n" \
+               f"--- daemon {self.name}'s log, last lines ---\n{text[-chars:]}"
+
 
 def _toml(v) -> str:
     if isinstance(v, bool):

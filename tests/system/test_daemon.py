@@ -65,7 +65,7 @@ def cluster(tmp_path):
         for n in started:
             n.stop()
             # the daemons' own account, shown (pytest prints a test's captured output) when it fails
-            print(f"--- daemon {n.name}'s log, last lines ---\n{n.log()[-4000:]}")
+            print(n.account(4000))
 
 
 def test_three_daemons_store_on_one_fetch_from_another(cluster, context):

@@ -74,7 +74,7 @@ def world(lm, tmp_path_factory):
             print(f"--- {s.log.name}, last lines ---\n{s.tail()}")
         for d in daemons:
             d.stop()
-            print(f"--- daemon {d.name}'s log, last lines ---\n{d.log()[-3000:]}")
+            print(d.account(3000))
 
 
 def held(daemon: DaemonProcess, model_id: str, prompt: list[int], where: str) -> int:
