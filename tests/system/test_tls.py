@@ -44,7 +44,6 @@ def peer_tls(cert, ca_path=None) -> tls.PeerTLS:
 def run_on(loop: str, coro):
     """Run coro on a new loop of the kind the daemon would use (aio.run picks uvloop)."""
     if loop == "uvloop":
-        pytest.importorskip("uvloop")
         return aio.run(coro)
     return asyncio.run(coro)
 

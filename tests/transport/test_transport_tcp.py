@@ -7,6 +7,7 @@ import time
 import random
 
 import pytest
+import uvloop
 
 from transport import aio, frames
 from transport.messages import Advertise, Chunk, Text
@@ -421,7 +422,6 @@ async def test_either_side_can_serve_fetches(server):
 
 
 def test_streams_over_uvloop():
-    uvloop = pytest.importorskip("uvloop")
 
     async def main() -> list:
         async with await aio.serve(HOST, 0, "srv", SECRET, streaming_handler()) as srv:
@@ -440,7 +440,6 @@ def test_a_ping_and_a_probe_sent_in_one_tick_of_uvloops_clock_time_from_that_tic
     """The sender pings and probes a new link at once: the second PING of a tick gets a time of
     its own (the PONG names its PING by time), but both are timed from the clock's tick, so a
     PONG that comes back in that same millisecond never looks as if it came before its PING."""
-    uvloop = pytest.importorskip("uvloop")
 
     async def main() -> list:
         async with await aio.serve(HOST, 0, "srv", SECRET, streaming_handler()) as srv:
@@ -462,7 +461,6 @@ def test_a_ping_sent_in_the_tick_of_one_just_answered_is_answered_too():
     waiter not yet resumed, took that one's time; the answered one's cleanup then dropped the
     new one's waiter, and that probe waited for ever (its fetch stalled: tests/system's fifty
     fetches, now and then). Before the fix this hung in every run."""
-    uvloop = pytest.importorskip("uvloop")
     rng = random.Random(0)
 
     async def main() -> list:
