@@ -172,9 +172,9 @@ class Directory:
         fetch served between), at most `max_s`. A stall said while it still cools down is the
         same incident (the fetches that were streaming from it when it went quiet, each
         finding it so): it does not double again, the cooldown at its level counted from the
-        latest report. (It did: eight fetches caught by one pause
-        of a holder exiled it for 10 x 2^7 s, capped at 300.) Its keys are kept, so it is
-        found again once the cooldown is over. Returns the seconds it is avoided for."""
+        latest report. (It did: eight fetches caught by one pause of a holder exiled it for
+        10 x 2^7 s, capped at 300.) Its keys are kept, so it is found again once the cooldown
+        is over. Returns the seconds it is avoided for."""
         left = self.cooling(peer)
         if left is None:
             self._stalls[peer] = self._stalls.get(peer, 0) + 1
