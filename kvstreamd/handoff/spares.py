@@ -14,8 +14,6 @@ never fail a fetch that would have had room without them."""
 from __future__ import annotations
 
 import time
-from typing import Callable
-
 from kvstreamd.handoff.buffers import HostBuffer
 
 IDLE_S = 60.0  # a spare unused this long is let go: the host's memory back once fetches stop
@@ -42,11 +40,14 @@ class SpareBuffers:
         self._spares.append((time.monotonic() if now is None else now, buf))
         self._trim()
 
-    def make_room(self, nbytes: int, free: Callable[[], int]) -> None:
-        """Let spares go, oldest first and their pages freed at once, until `free()` (the bytes
-        /dev/shm has free) is at least `nbytes` or none is left."""
-        while self._spares and free() < nbytes:
-            self._spares.pop(0)[1].release_now()
+    def make_room(self, nbytes: int, free: int) -> list[HostBuffer]:
+        """The spares to let go, oldest first, so that /dev/shm (`free` bytes free now) holds
+        `nbytes` more: no longer spares. The caller frees their pages (HostBuffer.release_now,
+        off the event loop: ~13 ms for 58 MB) before it allocates."""
+        gone: list[HostBuffer] = []
+        while self._spares and free + sum(b.nbytes for b in gone) < nbytes:
+            gone.append(self._spares.pop(0)[1])
+        return gone
 
     def expire(self, now: float) -> None:
         """Let go of the spares unused for IDLE_S."""

@@ -226,7 +226,9 @@ class Fetches:
         spare = self.leases.spares.take(nbytes)
         if spare is not None:
             return spare
-        self.leases.spares.make_room(nbytes, lambda: shutil.disk_usage(SHM_DIR).free)
+        gone = self.leases.spares.make_room(nbytes, shutil.disk_usage(SHM_DIR).free)
+        if gone:  # their pages freed before the new buffer takes its own, off the event loop
+            await asyncio.to_thread(lambda: [b.release_now() for b in gone])
         return HostBuffer.create(shape, dtype, reserve=False)  # reserved off the event loop (_fetch)
 
     def _account(self, p: Plan, tokens, kv_tokens, text_tokens, total, res, arm: str) -> None:

@@ -60,17 +60,15 @@ def test_only_a_buffer_its_client_released_is_kept_never_an_expired_lease():
 
 
 def test_a_fetch_short_of_room_lets_the_oldest_spares_go_until_it_has_room():
-    # /dev/shm's free bytes as the spares leave it: 1 MB free, each spare's pages given back at once
+    # /dev/shm has 1 MB free; each spare's 4 MB come back once it goes
     spares = SpareBuffers(64 * MB)
     bufs = [buffer(4) for _ in range(3)]
     for k, b in enumerate(bufs):
         spares.give(b, now=float(k))
-    freed = []
-    free = lambda: 1 * MB + sum(freed)  # noqa: E731
-    for b in bufs:
-        b.release_now = (lambda b=b: (freed.append(b.nbytes), HostBuffer.release_now(b)))
-    spares.make_room(6 * MB, free)  # 1 + 4 is short: the two oldest go
+    gone = spares.make_room(6 * MB, 1 * MB)  # 1 + 4 is short: the two oldest go
+    for b in gone:
+        b.release_now()
     assert [linked(b) for b in bufs] == [False, False, True] and len(spares) == 1
-    spares.make_room(1 * MB, free)  # room enough: nothing goes
+    assert spares.make_room(1 * MB, 1 * MB) == []  # room enough: nothing goes
     assert linked(bufs[2])
     spares.release_all()

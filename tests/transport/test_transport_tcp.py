@@ -453,8 +453,6 @@ def test_a_ping_and_a_probe_sent_in_one_tick_of_uvloops_clock_time_from_that_tic
             assert rtt >= 0 and acked >= sent
 
 
-
-
 def test_a_ping_sent_in_the_tick_of_one_just_answered_is_answered_too():
     """Fetches to a new peer start a few milliseconds apart, each pinging and probing it. A
     PING sent in uvloop's clock tick (a millisecond) of one whose PONG had just come, its
