@@ -176,6 +176,14 @@ class Server:
     def tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
+    def account(self, chars: int = 3000) -> str:
+        """What a failed test shows of this server: the connector's own lines (its misses and
+        failed fetches, each said once), then the log's last lines (vLLM's shutdown fills them)."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        ours = "\n".join(ln for ln in text.splitlines() if "kvstreamd" in ln)[-chars:]
+        return f"--- {self.log.name}: the connector's lines ---\n{ours}\n" \
+               f"--- {self.log.name}, last lines ---\n{text[-chars:]}"
+
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (vLLM stops its engine core), then SIGKILL to the server's whole session;
         returns the exit status."""

@@ -71,7 +71,7 @@ def world(lm, tmp_path_factory):
     finally:
         for s in servers:
             s.stop()
-            print(f"--- {s.log.name}, last lines ---\n{s.tail()}")
+            print(s.account())
         for d in daemons:
             d.stop()
             print(d.account(3000))
