@@ -27,16 +27,12 @@ import torch
 
 from . import bitstream as bs, cachegen, decoder, levels, rate, registry, warm
 from .warm import split
+from .quiet import Quiet
 from .segments import Arena, Destination, open_segment, worker_map
 from .errors import CodecError
 from .profile import Profile
 
 log = logging.getLogger("codec.parallel")
-
-# Background warming (warm_grid) starts a job only once the workers have coded nothing for this
-# long: a put's encodes and a fetch's decodes come in bursts with shorter gaps, so warming
-# slots between requests, not into them.
-WARM_QUIET_S = 0.5
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -183,10 +179,7 @@ class CodecPool:
         self._grid_started: set[bytes] = set()
         self._grid_given_up: set[bytes] = set()  # warming stopped short (best effort)
         self._grid_lock = threading.Lock()
-        # coding jobs in flight (not warming ones), and when the last ended: warming waits for quiet
-        self._coding = 0
-        self._quiet_since = time.monotonic()
-        self._quiet = threading.Condition()
+        self._quiet = Quiet()  # warming waits for the coding jobs
         self._pool = self._start()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="codec-pool-watch")
         self._watcher.start()
@@ -197,7 +190,7 @@ class CodecPool:
         not tuned for it), nearest the levels' own scales first, one job a worker at a time. A
         chunk at a scale its worker has not coded yet builds those tables in the middle of a
         fetch (0.36 s of one core for SmolLM2's 60 streams). Warming yields to coding: each
-        scale's job starts only once the workers have coded nothing for WARM_QUIET_S, so it fills
+        scale's job starts only once the workers have coded nothing for quiet.QUIET_S, so it fills
         the gaps between requests (34 scales of SmolLM2 are 12.5 s of one worker), and a job
         arriving meanwhile waits behind one scale at most. Called as a fetch or a put with costs
         begins (kvstreamd.coder), so a daemon that never codes per-chunk scales never spends the
@@ -216,8 +209,7 @@ class CodecPool:
 
     def _warm_grid(self, profile: Profile) -> None:
         for scale in rate.grid_scales(profile):
-            self._wait_quiet()
-            if self._closed:
+            if not self._quiet.wait() or self._closed:
                 with self._grid_lock:
                     self._grid_given_up.add(profile.id)
                 return
@@ -332,33 +324,11 @@ class CodecPool:
             log.warning("codec workers replaced in %.1f s (%s)", time.monotonic() - t0, why)
             return True
 
-    def _wait_quiet(self) -> None:
-        """Until no coding job is in flight and none ended in the last WARM_QUIET_S (or the
-        pool closes)."""
-        with self._quiet:
-            while not self._closed:
-                wait = self._quiet_since + WARM_QUIET_S - time.monotonic()
-                if not self._coding and wait <= 0:
-                    return
-                self._quiet.wait(wait if not self._coding else None)
-
-    @contextlib.contextmanager
-    def _busy(self) -> Iterator[None]:
-        with self._quiet:
-            self._coding += 1
-        try:
-            yield
-        finally:
-            with self._quiet:
-                self._coding -= 1
-                self._quiet_since = time.monotonic()
-                self._quiet.notify_all()
-
     def _run(self, jobs: list[tuple], coding: bool = True) -> list:
         """[fn(*args) for (worker, fn, *args) in jobs], each in its worker. A worker that dies
         under them costs one rerun on new workers; dying again raises WorkerLost, saying how.
-        coding: False for warming's jobs, which wait for the coding ones (_wait_quiet)."""
-        with self._busy() if coding else contextlib.nullcontext():
+        coding: False for warming's jobs, which wait for the coding ones (Quiet)."""
+        with self._quiet.coding() if coding else contextlib.nullcontext():
             return self._run_on_workers(jobs)
 
     def _run_on_workers(self, jobs: list[tuple]) -> list:
@@ -513,8 +483,7 @@ class CodecPool:
 
     def close(self) -> None:
         self._closed = True  # before the workers go: the watcher must not replace them
-        with self._quiet:
-            self._quiet.notify_all()  # warming stops waiting
+        self._quiet.stop()  # warming stops waiting
         with self._lock:
             for pool in self._pool:
                 pool.shutdown(wait=True, cancel_futures=True)

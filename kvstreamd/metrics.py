@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+_LAG = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8)
 _SHARE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -143,6 +144,9 @@ class Metrics:
         self._codec_restarts = 0
         self.encode_seconds = Histogram("kvstreamd_put_encode_seconds", "Encode time per put", registry=r,
                                         buckets=_LATENCY)
+        self.loop_lag = Histogram("kvstreamd_event_loop_lag_seconds", "How late the event loop ran each of its "
+                                  "50 ms ticks (a held loop delays every request; ops/loop_watch.py)", registry=r,
+                                  buckets=_LAG)
         # Per fetch, by A/B arm (kvstreamd.experiment; "control" when no experiment runs): every
         # fetch metric above carries `arm` too.
         self.fetch_deadline_missed = Counter("kvstreamd_fetch_deadline_missed", "Fetches that ended after "

@@ -38,6 +38,7 @@ from kvstreamd.node.node import Node
 from kvstreamd.ops import sdnotify
 from kvstreamd.ops.certificates import CertificateWatch
 from kvstreamd.ops.health import HealthWatch
+from kvstreamd.ops.loop_watch import LoopWatch
 from kvstreamd.ops.outcomes import OutcomeLog
 from kvstreamd.ops.preload_child import PreloadChild
 from kvstreamd.store.store import Store
@@ -84,6 +85,7 @@ def features(cfg: Config, store: Store, directory: Directory, peers: PeerManager
         Prefetcher(cfg, store, directory, peers, coder, metrics),
         PreloadChild(cfg.store.preload, cfg.store.preload_model, cfg.api.socket),
         CertificateWatch(cfg, metrics),
+        LoopWatch(metrics),
     ]
 
 

@@ -154,7 +154,8 @@ def test_warming_waits_while_the_workers_code_and_goes_on_once_they_are_quiet(tu
     slowed the fetches and puts that came meanwhile)."""
     import time
 
-    from codec.parallel import WARM_QUIET_S, CodecPool
+    from codec.parallel import CodecPool
+    from codec.quiet import QUIET_S
     path = tuned.save(tmp_path / "tuned.kvprofile")
     codec.registry.register(codec.Profile.load(path))
     kv = synthetic_kv(64, 7).half()
@@ -162,8 +163,8 @@ def test_warming_waits_while_the_workers_code_and_goes_on_once_they_are_quiet(tu
         pool.encode(kv, "high", tuned)  # the level's own tables, built by coding
         coded = pool.table_steps(tuned)
         pool.warm_grid(tuned)
-        busy_until = time.monotonic() + max(2.0, 4 * WARM_QUIET_S)
-        while time.monotonic() < busy_until:  # coding, with gaps far under WARM_QUIET_S
+        busy_until = time.monotonic() + max(2.0, 4 * QUIET_S)
+        while time.monotonic() < busy_until:  # coding, with gaps far under QUIET_S
             pool.encode(kv, "high", tuned)
         assert pool.table_steps(tuned) == coded and pool.warming  # no scale's tables built while it coded
         deadline = time.monotonic() + 120
