@@ -6,6 +6,9 @@ fp16 level), so a wrong paged layout could not hide behind a round trip through 
 itself."""
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from kvstreamd import models
@@ -115,6 +118,26 @@ def test_a_damaged_chunk_is_recomputed_by_vllm_from_there_with_the_same_tokens(w
     assert chunks_sent(world["daemon"]) - before == 3
     windowed = any(p.window for p in world["lm"].layout.groups())
     assert world["connected"].said(r"tokens 0\.\. as text" if windowed else r"tokens 512\.\. as text")
+
+
+def test_a_daemon_held_up_is_a_miss_after_the_lookup_bound_and_vllm_computes_with_the_same_tokens(world):
+    """A daemon that does not answer (SIGSTOPped: as one held up or restarting) costs a request
+    its lookup bound (lookup_timeout_ms, 200 ms), then vLLM computes the prompt; the connector
+    says why. The prompt's chunks are held, so an answering daemon would have loaded them."""
+    doc = world["docs"]["held"]
+    put_from_hf(world, doc)
+    prompt = doc + world["question"][:3]
+    daemon = world["daemon"]
+    before = chunks_sent(daemon)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        want, got = both(world, prompt)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert got == want
+    assert world["connected"].said(r"no lookup at the daemon \((TimeoutError|timeout)")
+    assert chunks_sent(daemon) == before  # nothing was fetched for it
+    assert daemon.client().status()["chunk_tokens"] == CHUNK  # and the daemon serves on
 
 
 def test_with_the_daemon_down_vllm_computes_every_request_with_the_same_tokens(world):
