@@ -192,14 +192,27 @@ class CodecPool:
         fetch (0.36 s of one core for SmolLM2's 60 streams). Warming yields to coding: each
         scale's job starts only once the workers have coded nothing for quiet.QUIET_S, so it fills
         the gaps between requests (34 scales of SmolLM2 are 12.5 s of one worker), and a job
-        arriving meanwhile waits behind one scale at most. Called as a fetch or a put with costs
-        begins (kvstreamd.coder), so a daemon that never codes per-chunk scales never spends the
-        CPU; once per profile."""
+        arriving meanwhile waits behind one scale at most. Called as a put with costs begins
+        (kvstreamd.coder), and by the pool itself as it decodes a profile's first chunk coded at a
+        scale of its own (warm_for_chunk), so a daemon that never codes or decodes per-chunk
+        scales (chunks a vLLM connector put, say) never spends the CPU; once per profile."""
         with self._grid_lock:
             if profile.id in self._grid_started or not rate.tuned(profile):
                 return
             self._grid_started.add(profile.id)
         threading.Thread(target=self._warm_grid, args=(profile,), daemon=True, name="codec-pool-warm").start()
+
+    def warm_for_chunk(self, h: bs.Header) -> None:
+        """warm_grid for the chunk's profile if the chunk was coded at a scale of its own (its
+        steps are none of the ladder's levels' own): more such chunks are likely on their way."""
+        if h.profile_id in self._grid_started:
+            return
+        lv = next((lv for lv in levels.LEVELS.values() if lv.code == h.level), None)
+        if lv is None or lv.name not in levels.LADDER:
+            return
+        whole = registry.find(h.profile_id)
+        if not np.array_equal(h.steps, lv.steps(whole)[list(h.held_layers())]):
+            self.warm_grid(whole)
 
     @property
     def warming(self) -> bool:
@@ -383,6 +396,8 @@ class CodecPool:
         """Decode several chunks at once: every worker stays busy across chunk boundaries,
         which is how a fetch's decode stage sees them. Validation happens before any work."""
         headers = [decoder.read(data, profile)[0] for data in chunks]
+        for h in headers:
+            self.warm_for_chunk(h)
         taken, jobs = [], []
         try:
             for data, h in zip(chunks, headers):
@@ -415,6 +430,7 @@ class CodecPool:
         nothing is copied after them. The values are decode()'s, in out's dtype. CodecError,
         before any write, for a chunk that does not decode or is not of out's shape."""
         h = decoder.read(data, profile)[0]
+        self.warm_for_chunk(h)
         if tuple(h.shape) != tuple(out.shape):
             raise CodecError(f"chunk is {list(h.shape)}, its destination {list(out.shape)}")
         if h.dtype not in (out.dtype, torch.float32):

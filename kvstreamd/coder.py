@@ -146,8 +146,9 @@ class Coder:
                 self._mbps = (1 - alpha) * self._mbps + alpha * (mb / seconds)
 
     def warm_for(self, profile: Profile) -> None:
-        """A fetch or a put of per-chunk scales begins for `profile`: have the workers build the
-        tables of its rate control's scales in the background (CodecPool.warm_grid), once."""
+        """A put of per-chunk scales begins for `profile`: have the workers build the tables of
+        its rate control's scales in the background (CodecPool.warm_grid), once. (A fetch needs
+        no call: the pool starts it at the first chunk it decodes at a scale of its own.)"""
         self.pool.warm_grid(profile)
 
     def warm_all(self) -> None:

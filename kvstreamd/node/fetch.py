@@ -416,7 +416,6 @@ class FetchJob:
         if conn is None:
             return False
         prof = self.coder.profile_for(self.options.model_id)
-        self.coder.warm_for(prof)  # chunks at rate control's scales are on their way: their tables, ahead
         left = self.peers_until - time.monotonic()
         stream = conn.fetch([p.keys[j] for j in share], max(self._remaining_ms(), 1), self.levels + [TEXT],
                             decode_mbps=self.coder.rate(gpu=self.stages is not None),

@@ -148,6 +148,22 @@ def test_a_pool_asked_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_i
     assert rate.grid_scales(codec.Profile(dict(tuned.meta, rate_control=None), tuned.tensors)) == []
 
 
+def test_a_pool_starts_warming_at_the_first_chunk_it_decodes_at_a_scale_of_its_own(tuned, tmp_path):
+    """A daemon whose chunks all come at their level's own scale (a vLLM connector puts no costs)
+    never spends the CPU on the grid; the first chunk coded at a scale of its own starts it."""
+    from codec.parallel import CodecPool
+    path = tuned.save(tmp_path / "tuned.kvprofile")
+    codec.registry.register(codec.Profile.load(path))
+    kv = synthetic_kv(64, 7).half()
+    own = rate.grid_scales(tuned)[3]
+    with CodecPool(1, profile_paths=(str(path),), warm_levels=()) as pool:
+        for level in levels.LADDER:
+            pool.decode(codec.encode(kv, level, tuned))
+        assert not pool.warming and not pool.grid_warm
+        pool.decode(codec.encode(kv, "fast", tuned, start=0, scale=own))
+        assert pool.warming or pool.grid_warm == {tuned.id}
+
+
 def test_warming_waits_while_the_workers_code_and_goes_on_once_they_are_quiet(tuned, tmp_path):
     """Warming is background work: a put's encodes or a fetch's decodes coming one after another
     never wait behind it (on a 2-core host, 34 scales of SmolLM2 took one worker 12.5 s, which
