@@ -189,13 +189,11 @@ class CodecPool:
         rate control may give a chunk of `profile` (codec.rate.grid_scales; nothing for a profile
         not tuned for it), nearest the levels' own scales first, one job a worker at a time. A
         chunk at a scale its worker has not coded yet builds those tables in the middle of a
-        fetch (0.36 s of one core for SmolLM2's 60 streams). Warming yields to coding: each
-        scale's job starts only once the workers have coded nothing for quiet.QUIET_S, so it fills
-        the gaps between requests (34 scales of SmolLM2 are 12.5 s of one worker), and a job
-        arriving meanwhile waits behind one scale at most. Called as a put with costs begins
-        (kvstreamd.coder), and by the pool itself as it decodes a profile's first chunk coded at a
-        scale of its own (warm_for_chunk), so a daemon that never codes or decodes per-chunk
-        scales (chunks a vLLM connector put, say) never spends the CPU; once per profile."""
+        fetch (0.36 s of one core for SmolLM2's 60 streams). It yields to coding: a scale's job
+        starts once the workers have coded nothing for quiet.QUIET_S (34 scales of SmolLM2 are
+        12.5 s of one worker). Called as a put with costs begins (kvstreamd.coder) and at the first
+        chunk decoded at a scale of its own (warm_for_chunk): a daemon that never codes or decodes
+        per-chunk scales (a vLLM connector's chunks) never spends the CPU; once per profile."""
         with self._grid_lock:
             if profile.id in self._grid_started or not rate.tuned(profile):
                 return
@@ -203,15 +201,8 @@ class CodecPool:
         threading.Thread(target=self._warm_grid, args=(profile,), daemon=True, name="codec-pool-warm").start()
 
     def warm_for_chunk(self, h: bs.Header) -> None:
-        """warm_grid for the chunk's profile if the chunk was coded at a scale of its own (its
-        steps are none of the ladder's levels' own): more such chunks are likely on their way."""
-        if h.profile_id in self._grid_started:
-            return
-        lv = next((lv for lv in levels.LEVELS.values() if lv.code == h.level), None)
-        if lv is None or lv.name not in levels.LADDER:
-            return
-        whole = registry.find(h.profile_id)
-        if not np.array_equal(h.steps, lv.steps(whole)[list(h.held_layers())]):
+        """warm_grid for a chunk coded at a scale of its own (rate.own_scale): more are likely coming."""
+        if h.profile_id not in self._grid_started and rate.own_scale(h, whole := registry.find(h.profile_id)):
             self.warm_grid(whole)
 
     @property
@@ -342,27 +333,24 @@ class CodecPool:
         under them costs one rerun on new workers; dying again raises WorkerLost, saying how.
         coding: False for warming's jobs, which wait for the coding ones (Quiet)."""
         with self._quiet.coding() if coding else contextlib.nullcontext():
-            return self._run_on_workers(jobs)
-
-    def _run_on_workers(self, jobs: list[tuple]) -> list:
-        for attempt in (1, 2):
-            pool, futures = self._pool, []
-            try:
-                futures = [pool[k].submit(_job, *job) for k, *job in jobs]
-                return [f.result() for f in futures]
-            except BrokenProcessPool as e:
-                cf.wait(futures)
-                lost = self._lost
-                why = (lost[1] if lost is not None and lost[0] is pool else self._dead(pool)) \
-                    or f"a codec worker process died ({e})"
-                self._replace(pool, why)
-                if attempt == 2:
-                    raise WorkerLost(f"{why}, twice under the same job; the job is failed") from None
-                log.warning("%s; running the job again on new workers", why)
-            except BaseException:
-                cf.wait(futures)  # the others still write into the job's segments
-                raise
-        raise AssertionError("unreachable")
+            for attempt in (1, 2):
+                pool, futures = self._pool, []
+                try:
+                    futures = [pool[k].submit(_job, *job) for k, *job in jobs]
+                    return [f.result() for f in futures]
+                except BrokenProcessPool as e:
+                    cf.wait(futures)
+                    lost = self._lost
+                    why = (lost[1] if lost is not None and lost[0] is pool else self._dead(pool)) \
+                        or f"a codec worker process died ({e})"
+                    self._replace(pool, why)
+                    if attempt == 2:
+                        raise WorkerLost(f"{why}, twice under the same job; the job is failed") from None
+                    log.warning("%s; running the job again on new workers", why)
+                except BaseException:
+                    cf.wait(futures)  # the others still write into the job's segments
+                    raise
+            raise AssertionError("unreachable")
 
     def add_profile(self, path, warm_levels: tuple[str, ...] | None = None) -> None:
         """Teach every worker the profile in the file `path`, as if the pool had been started with

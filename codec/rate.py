@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import CodecError
-from .levels import LADDER, Level, get as get_level
+from .levels import LADDER, LEVELS, Level, get as get_level
 from .profile import Profile
 
 # The scale on the profile's base steps the probes code each chunk at: between high's and
@@ -123,6 +123,15 @@ def grid_scales(profile: Profile) -> list[float]:
             near[scale] = min(near.get(scale, math.inf), abs(math.log2(scale / base)))
             k += 1
     return sorted(near, key=lambda s: (near[s], s))
+
+
+def own_scale(h, profile: Profile) -> bool:
+    """Whether the chunk whose header is `h` (codec.bitstream.Header) was coded at a scale of its
+    own: its steps are not its level's one scale's in `profile`, the whole profile it names."""
+    lv = next((lv for lv in LEVELS.values() if lv.code == h.level), None)
+    if lv is None or lv.name not in LADDER:
+        return False
+    return not np.array_equal(h.steps, lv.steps(profile)[list(h.held_layers())])
 
 
 def on_grid(scale: float) -> float:
