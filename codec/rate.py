@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .bitstream import Header
 from .errors import CodecError
 from .levels import LADDER, LEVELS, Level, get as get_level
 from .profile import Profile
@@ -125,8 +126,8 @@ def grid_scales(profile: Profile) -> list[float]:
     return sorted(near, key=lambda s: (near[s], s))
 
 
-def own_scale(h, profile: Profile) -> bool:
-    """Whether the chunk whose header is `h` (codec.bitstream.Header) was coded at a scale of its
+def own_scale(h: Header, profile: Profile) -> bool:
+    """Whether the chunk whose header is `h` was coded at a scale of its
     own: its steps are not its level's one scale's in `profile`, the whole profile it names."""
     lv = next((lv for lv in LEVELS.values() if lv.code == h.level), None)
     if lv is None or lv.name not in LADDER:

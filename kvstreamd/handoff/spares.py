@@ -14,6 +14,7 @@ never fail a fetch that would have had room without them."""
 from __future__ import annotations
 
 import time
+
 from kvstreamd.handoff.buffers import HostBuffer
 
 IDLE_S = 60.0  # a spare unused this long is let go: the host's memory back once fetches stop

@@ -422,7 +422,6 @@ async def test_either_side_can_serve_fetches(server):
 
 
 def test_streams_over_uvloop():
-
     async def main() -> list:
         async with await aio.serve(HOST, 0, "srv", SECRET, streaming_handler()) as srv:
             peer = await aio.connect(HOST, srv.port, "cli", SECRET)
@@ -440,7 +439,6 @@ def test_a_ping_and_a_probe_sent_in_one_tick_of_uvloops_clock_time_from_that_tic
     """The sender pings and probes a new link at once: the second PING of a tick gets a time of
     its own (the PONG names its PING by time), but both are timed from the clock's tick, so a
     PONG that comes back in that same millisecond never looks as if it came before its PING."""
-
     async def main() -> list:
         async with await aio.serve(HOST, 0, "srv", SECRET, streaming_handler()) as srv:
             peer = await aio.connect(HOST, srv.port, "cli", SECRET)
