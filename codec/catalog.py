@@ -56,6 +56,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("high", "level", 0.0, ratio=5.42),
     Scheme("balanced", "level", 0.22, ratio=6.68),
     Scheme("fast", "level", 1.86, ratio=9.71),
+    Scheme("max", "level", 0.0, ratio=3.27),
     Scheme("cachegen-paper", "level", 18.4),
     Scheme("cachegen-paper-high", "level", 18.4),  # not measured apart; priced as its middle sibling
     Scheme("cachegen-paper-fast", "level", 18.4),
@@ -88,7 +89,7 @@ def get(name: str) -> Scheme:
 
 def dppl_table(levels: Iterable[str], measured: dict[str, float] | None = None) -> dict[str, float]:
     """level -> Δppl % for these levels plus TEXT (recompute is exact): what a rule weighs.
-    `measured`: a model's own figures (its profile's level_dppl), where it has them."""
+    `measured`: a model's own figures (codec.levels.expected_dppl of its profile), where it has them."""
     own = measured or {}
     # A model's own figures and the catalog's come from different measurements (the expected Δppl
     # from KL on its calibration text; Δppl of SmolLM2 on 768 tokens, noisy to tenths of a point).
@@ -97,9 +98,13 @@ def dppl_table(levels: Iterable[str], measured: dict[str, float] | None = None) 
     # catalog 0.0 against SmolLM2 high's own 0.08 made every chunk of a 1000 Mbit/s fetch int8 (2.7x
     # high's bytes) for a difference neither measurement can tell, where a mix of the two keeps both
     # the wire and the decoder busy.
-    best_own = min(own.values(), default=0.0)
+    # The best own level in play (else the best own level): `max`'s tiny price, which a profile
+    # gives but a fetch of chunks not stored at `max` cannot use, would otherwise put int8 above
+    # `high` there.
+    levels = [lv for lv in levels if lv != TEXT]
+    best_own = min((own[lv] for lv in levels if lv in own), default=min(own.values(), default=0.0))
     return {**{lv: float(own[lv]) if lv in own else max(SCHEMES[lv].dppl, best_own)
-               for lv in levels if lv != TEXT}, TEXT: 0.0}
+               for lv in levels}, TEXT: 0.0}
 
 
 def decode_seconds(level: str, fp16_mb: float, receiver_mbps: float) -> float:

@@ -23,11 +23,17 @@ class Level:
     # next-token distributions against the exact cache (docs/benchmarks.md, "Against the floors").
     # Calibration tunes each level's scale under it, and rate control (codec.rate) aims each chunk at it.
     kl_floor: float | None = None
+    # A level defined on another: its scale is `scale` x that level's in the profile (tuned or
+    # not), so it keeps its distance from it on every model; None: `scale` is its own.
+    of: str | None = None
 
     def scale_in(self, profile: Profile) -> float:
         """The level's one scale for every chunk: a profile tuned on calibration text carries
         its own for each named level."""
-        return float(profile.meta.get("level_scales", {}).get(self.name, self.scale))
+        own = profile.meta.get("level_scales", {}).get(self.name)
+        if own is not None:
+            return float(own)
+        return self.scale * (LEVELS[self.of].scale_in(profile) if self.of else 1.0)
 
     def steps(self, profile: Profile, scale: float | None = None) -> np.ndarray:
         """[L, 2] float32: the quantization step of each (layer, K/V) stream; `scale`: this
@@ -49,12 +55,31 @@ LEVELS: dict[str, Level] = {
     "high": Level("high", 1, OURS, scale=1.0, kl_floor=0.002),
     "balanced": Level("balanced", 2, OURS, scale=1.8, kl_floor=0.005),
     "fast": Level("fast", 3, OURS, scale=3.6, kl_floor=0.02),
+    # For an engine that must answer as if it had computed the context (the same greedy tokens,
+    # near ties included): a quarter of `high`'s steps, 2 bits more per value. SmolLM2 on WikiText:
+    # 3.27x where int8 is 1.98x, at KL 0.00008 where int8's is 0.00013 and high's 0.0013
+    # (docs/benchmarks.md "max: the level that keeps the tokens"). Stored where [codec] levels
+    # names it, never tuned or rate-controlled: a fixed distance below `high`.
+    "max": Level("max", 7, OURS, scale=0.25, of="high"),
     # CacheGen as the paper has it: anchor/delta, per-channel steps, fixed thirds of layers.
     "cachegen-paper": Level("cachegen-paper", 4, bs.DELTA, thirds=(0.5, 1.0, 1.5)),
     "cachegen-paper-high": Level("cachegen-paper-high", 5, bs.DELTA, thirds=(0.3, 0.8, 1.2)),
     "cachegen-paper-fast": Level("cachegen-paper-fast", 6, bs.DELTA, thirds=(0.8, 1.5, 2.0)),
 }
-LADDER = ("high", "balanced", "fast")  # the levels every chunk is stored at, best first
+LADDER = ("high", "balanced", "fast")  # the levels every chunk is stored at, best first; each tuned
+
+
+def expected_dppl(profile: Profile) -> dict[str, float]:
+    """Each level's expected Δppl % with `profile`: its own measurement (meta "level_dppl",
+    kvstreamd.lab.calibrate.level_costs), and for a level defined on a measured one (Level.of),
+    that one's scaled by the square of their steps' ratio -- KL, and so the expected Δppl, grows
+    as the step squared (SmolLM2, `high` at 1, 1/2, 1/4, 1/8 of its steps: KL 0.00131, 0.00035,
+    0.000075, 0.000023). What the sender's rule weighs a model's levels by (codec.catalog)."""
+    own = {name: float(v) for name, v in (profile.meta.get("level_dppl") or {}).items()}
+    for lv in LEVELS.values():
+        if lv.name not in own and lv.of in own:
+            own[lv.name] = own[lv.of] * (lv.scale_in(profile) / LEVELS[lv.of].scale_in(profile)) ** 2
+    return own
 
 
 def get(level: str | Level) -> Level:

@@ -144,9 +144,10 @@ def scales(level: str | Level, profile: Profile, costs: list[ChunkCost],
            target: float | None = None) -> list[float | None]:
     """Each chunk's scale (a multiple of the profile's base steps) at `level`, for a context of
     these chunks' costs, in order (module docstring); `target`: in place of the profile's. None
-    for each chunk (the level's one scale) with a profile that is not tuned for rate control."""
+    for each chunk (the level's one scale) with a profile that is not tuned for rate control, and
+    at a level outside the ladder (`max`, a fixed distance below `high`)."""
     lv = get_level(level)
-    if target is None and not tuned(profile):
+    if lv.name not in LADDER or (target is None and not tuned(profile)):
         return [None] * len(costs)
     if not costs:
         return []

@@ -12,6 +12,7 @@ import logging
 from typing import Callable
 
 from codec import catalog, select_layers
+from codec import levels as codec_levels
 from codec.errors import CodecError
 from codec.layout import Layout
 from codec.profile import Profile
@@ -213,7 +214,7 @@ class Serving:
     def _measured(self, model_id: str) -> dict | None:
         """The model's own Δppl per level, from its profile (None: the catalog's defaults)."""
         try:
-            return self.profile_for(model_id).meta.get("level_dppl") if self.profile_for else None
+            return codec_levels.expected_dppl(self.profile_for(model_id)) if self.profile_for else None
         except CodecError:
             return None
 

@@ -9,6 +9,7 @@ from pathlib import Path
 # A lookup that takes longer than this is a miss: the request is computed as if there were no
 # connector. A lookup on the local socket takes about a millisecond.
 LOOKUP_TIMEOUT_MS = 200
+MAX_DEADLINE_MS = 3_600_000  # the daemon's bound on a fetch's deadline ([fetch] deadline_ms)
 MODEL_META = "kvstreamd.json"  # in a model folder made by `kvstreamd model-folder`: its model id
 
 
@@ -27,6 +28,10 @@ class ConnectorOptions:
     # engine to compute) with it; None: the daemon's [fetch] recompute_tokens_per_s
     recompute_tokens_per_s: float | None = None
     save: bool = True  # put each prompt's whole chunks to the local daemon after its prefill
+    # a fetch's deadline as a speed-up over computing: the engine's own prefill time of the
+    # prefix (at recompute_tokens_per_s) over this, so a long prompt gets a long deadline and
+    # the levels whose chunks the engine answers from as it would have computed (`max`) fit it
+    speedup: float | None = None
 
     @classmethod
     def parse(cls, extra: dict | None, model_folder: str | Path | None = None) -> ConnectorOptions:
@@ -38,9 +43,22 @@ class ConnectorOptions:
         out = {}
         for key, value in extra.items():
             out[key] = _check(key, value)
+        if out.get("speedup") is not None:
+            if out.get("deadline_ms") is not None:
+                raise OptionsError("kv_connector_extra_config: deadline_ms and speedup both set; a fetch's "
+                                   "deadline is one or the other")
+            if out.get("recompute_tokens_per_s") is None:
+                raise OptionsError("kv_connector_extra_config: speedup needs recompute_tokens_per_s, the "
+                                   "engine's prefill rate it is a speed-up over")
         if out.get("model_id") is None:
             out["model_id"] = model_id_of(model_folder)
         return cls(**out)
+
+    def deadline_for(self, tokens: int) -> int | None:
+        """A fetch's deadline, ms, for a prefix of `tokens` tokens (None: the daemon's)."""
+        if self.speedup is None:
+            return self.deadline_ms
+        return min(max(1, round(1000 * tokens / self.recompute_tokens_per_s / self.speedup)), MAX_DEADLINE_MS)
 
 
 def _check(key: str, value):
@@ -58,6 +76,10 @@ def _check(key: str, value):
     if key == "recompute_tokens_per_s":
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise OptionsError(f"{bad}: tokens per second > 0")
+        return None if value is None else float(value)
+    if key == "speedup":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 1):
+            raise OptionsError(f"{bad}: a factor > 1")
         return None if value is None else float(value)
     if key == "levels":
         if value is not None and (not isinstance(value, list) or not value or

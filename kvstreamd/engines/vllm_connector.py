@@ -298,7 +298,7 @@ class KvstreamdConnector(KVConnectorBase_V1):
             return
         o = self.options
         try:
-            f = self._client(FETCH_IDLE_S).fetch(o.model_id, spec.tokens, o.deadline_ms,
+            f = self._client(FETCH_IDLE_S).fetch(o.model_id, spec.tokens, o.deadline_for(len(spec.tokens)),
                                          levels=list(o.levels) if o.levels else None,
                                          recompute_tokens_per_s=o.recompute_tokens_per_s, text_last=True)
             f.wait()

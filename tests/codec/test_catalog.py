@@ -28,6 +28,15 @@ def test_with_a_models_own_figures_a_baseline_counts_as_no_better_than_its_best_
     assert catalog.dppl_table(["int8"], None)["int8"] == catalog.get("int8").dppl  # no own figures: the catalog's
 
 
+def test_a_baseline_is_priced_as_the_best_own_level_in_play_not_one_the_fetch_cannot_use():
+    # `max`'s own price is tiny; where `max` is offered, int8 counts as no better than it, and
+    # where it is not, as no better than `high`, as before.
+    own = {"max": 0.01, "high": 0.16, "balanced": 0.5}
+    assert catalog.dppl_table(["max", "high", "int8"], own)["int8"] == 0.01
+    assert catalog.dppl_table(["high", "balanced", "int8"], own)["int8"] == 0.16
+    assert catalog.dppl_table(["int8"], own)["int8"] == 0.01  # no own level in play: the best own
+
+
 def test_decode_time_uses_the_receivers_rate_for_entropy_coded_levels_only():
     assert catalog.decode_seconds("high", 100.0, receiver_mbps=50.0) == 2.0
     assert catalog.decode_seconds("fp16", 100.0, receiver_mbps=50.0) == 100.0 / catalog.get("fp16").decode_mbps

@@ -20,7 +20,8 @@ def test_no_keys_but_the_model_id_give_the_defaults():
     got = ConnectorOptions.parse({"model_id": "m:0123"})
     assert got == ConnectorOptions(model_id="m:0123")
     assert (got.socket, got.lookup_timeout_ms, got.deadline_ms, got.levels, got.recompute_tokens_per_s,
-            got.save) == (None, LOOKUP_TIMEOUT_MS, None, None, None, True)
+            got.save, got.speedup) == (None, LOOKUP_TIMEOUT_MS, None, None, None, True, None)
+    assert got.deadline_for(4096) is None  # the daemon's
 
 
 def test_each_key_takes_its_kind_of_value():
@@ -28,6 +29,18 @@ def test_each_key_takes_its_kind_of_value():
                                   "deadline_ms": 2000, "levels": ["l1", "text"], "recompute_tokens_per_s": 900,
                                   "save": False})
     assert got == ConnectorOptions("/run/k.sock", "m:1", 50, 2000, ("l1", "text"), 900.0, False)
+    assert got.deadline_for(4096) == 2000
+
+
+def test_a_speedup_gives_each_fetch_the_engines_own_prefill_time_over_it():
+    got = ConnectorOptions.parse({"model_id": "m:1", "recompute_tokens_per_s": 250, "speedup": 3})
+    assert got.speedup == 3.0
+    assert got.deadline_for(3000) == 4000 and got.deadline_for(1500) == 2000  # 12 s of prefill / 3
+    assert got.deadline_for(0) == 1 and got.deadline_for(10**9) == 3_600_000  # within the daemon's bounds
+    with pytest.raises(OptionsError, match="speedup needs recompute_tokens_per_s"):
+        ConnectorOptions.parse({"model_id": "m:1", "speedup": 3})
+    with pytest.raises(OptionsError, match="deadline_ms and speedup both set"):
+        ConnectorOptions.parse({"model_id": "m:1", "recompute_tokens_per_s": 250, "speedup": 3, "deadline_ms": 2000})
 
 
 BAD = [
@@ -40,6 +53,7 @@ BAD = [
     ("recompute_tokens_per_s", 0), ("recompute_tokens_per_s", -1.0), ("recompute_tokens_per_s", True),
     ("recompute_tokens_per_s", "fast"),
     ("save", "yes"), ("save", 1), ("save", None),
+    ("speedup", 1), ("speedup", 0.5), ("speedup", True), ("speedup", "3x"),
 ]
 
 
@@ -53,7 +67,7 @@ def test_an_unknown_key_is_an_error_naming_the_known_ones():
     with pytest.raises(OptionsError) as e:
         ConnectorOptions.parse({"model_id": "m:1", "sokcet": "/run/k.sock"})
     assert "'sokcet'" in str(e.value)
-    for key in ("socket", "model_id", "lookup_timeout_ms", "deadline_ms", "levels", "recompute_tokens_per_s", "save"):
+    for key in ("socket", "model_id", "lookup_timeout_ms", "deadline_ms", "levels", "recompute_tokens_per_s", "save", "speedup"):
         assert f"'{key}'" in str(e.value)
 
 
