@@ -130,6 +130,15 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     return 0 if all(bench.floors(report).values()) else 1
 
 
+def _bench_agreement(args: argparse.Namespace) -> int:
+    from . import agreement as bench
+
+    report = bench.run(tokens=args.tokens, docs=args.docs, schemes=args.schemes, new_tokens=args.new_tokens,
+                       chunk_tokens=args.chunk_tokens, model=args.model, profile=args.profile, json_path=args.json)
+    _report(bench.table(report), args.json)
+    return 0
+
+
 def _bench_gpu(args: argparse.Namespace) -> int:
     from . import gpu as bench
 
@@ -276,6 +285,18 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     bv.add_argument("--chunk-tokens", type=int, default=256, help="the daemons' chunk size")
     bv.add_argument("--json", default="bench-out/vllm.json")
     bv.set_defaults(func=_bench_vllm)
+
+    ba = bsub.add_parser("agreement", help="how often each scheme changes the model's greedy answer after a long "
+                                           "document (its KV coded chunk by chunk) and a question")
+    model_option(ba)
+    profile_option(ba)
+    ba.add_argument("--tokens", type=int, default=4096, help="the document's tokens (the question follows)")
+    ba.add_argument("--docs", type=int, default=30, help="documents (test.txt windows)")
+    ba.add_argument("--schemes", nargs="+", default=None, help="levels and baselines (default: int8 high max)")
+    ba.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared per document")
+    ba.add_argument("--chunk-tokens", type=int, default=256)
+    ba.add_argument("--json", default="bench-out/agreement.json")
+    ba.set_defaults(func=_bench_agreement)
 
     bf = bsub.add_parser("fanout", help="one context from several holders at once, each behind its own shaped "
                                         "link, against one holder (needs root: network namespaces)")

@@ -77,10 +77,10 @@ class Hosts:
 
 @contextmanager
 def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0, b_keeps_fetched: bool = True,
-          codec: dict | None = None):
+          codec: dict | None = None, memory_budget: str = "2GiB"):
     """Two daemons, a and b, peers of each other; in two namespaces if it can make them.
     `b_keeps_fetched=False`: b stores nothing it fetched, so every fetch of a's context crosses the link.
-    `codec`: more [codec] keys (profile_keys). The hosts are handed over once their codec tables
+    `codec`: more [codec] keys (profile_keys); `memory_budget`: each store's ([store]). The hosts are handed over once their codec tables
     are built ([codec] warm_tables = "start"), as a daemon that has run a while has them: a first
     fetch's builds (~12 CPU-seconds, measured apart in docs/benchmarks.md) would otherwise share
     this machine's two cores with the model process's compute in whatever is measured first."""
@@ -88,7 +88,7 @@ def hosts(root: Path, chunk_tokens: int = CHUNK_TOKENS, workers: int = 0, b_keep
     link = netns.Link().up() if ok else None
     extra = {"codec": {"chunk_tokens": chunk_tokens, "levels": STORED_LEVELS, "workers": workers,
                        "warm_tables": "start", **(codec or {})},
-             "store": {"memory_budget": "2GiB", "disk_budget": 0}}
+             "store": {"memory_budget": memory_budget, "disk_budget": 0}}
     extra_b = {**extra, "store": {**extra["store"], "keep_fetched": b_keeps_fetched}}
     if link is not None:
         a = DaemonProcess("host-a", root / "a", host=link.addr["a"], netns=link.command("a", []), extra=extra)

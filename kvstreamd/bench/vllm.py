@@ -39,6 +39,7 @@ METHODS = ["vllm", "kvstreamd", "fp16"]
 CHUNK_TOKENS = 256
 FP16_DEADLINE_MS = e2e.BASELINE_DEADLINE_MS  # raw KV moves whole, however long it takes
 PUT_WAIT_S = 300  # a's daemon encodes every stored level of every chunk before b can see them
+STORE_BUDGET = "6GiB"  # each daemon's memory budget: a holds every document at every level
 
 
 # The issue's floor on TTFT (times lower than vLLM's own prefill) per model, at its documented
@@ -149,11 +150,12 @@ def documents(lm, tokens: int, count: int) -> tuple[list[list[int]], list[int]]:
 
 @contextmanager
 def vllm_hosts(model: str | None, bandwidth_mbit: float, chunk_tokens: int, codec: dict, prefix: str,
-               log) -> Iterator[tuple[e2e.Hosts, Path, Path]]:
+               log, memory_budget: str = "2GiB") -> Iterator[tuple[e2e.Hosts, Path, Path]]:
     """Two daemons as two hosts across a link shaped to `bandwidth_mbit` (b keeps nothing it
     fetches), a scratch folder, and the model folder vLLM serves: (hosts, scratch, folder)."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp, \
-            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False, codec=codec) as (h, why_not):
+            e2e.hosts(Path(tmp), chunk_tokens, b_keeps_fetched=False, codec=codec,
+                      memory_budget=memory_budget) as (h, why_not):
         root = Path(tmp)
         if why_not:
             log(f"NOTE: no network namespaces here ({why_not}): the two hosts talk over plain loopback, "
@@ -173,7 +175,10 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
     warm, docs, unheld = docs[0], docs[1:runs + 1], docs[runs + 1:]
     speedup = TTFT_FLOOR.get(lm.name, 3.0)
     codec = {**codec, "levels": ["max", *e2e.STORED_LEVELS]}
-    with vllm_hosts(model, bandwidth_mbit, chunk_tokens, codec, "kvstreamd-bvllm-", log) as (h, root, folder):
+    # a's store holds every document at every stored level (SmolLM2, 4096 tokens: ~220 MB each;
+    # Gemma-3, 16K: ~700 MB): past the budget the first ones would be evicted, and computed
+    with vllm_hosts(model, bandwidth_mbit, chunk_tokens, codec, "kvstreamd-bvllm-", log,
+                    memory_budget=STORE_BUDGET) as (h, root, folder):
         rows = {(r, m): {"run": r, "method": m} for r in range(runs) for m in METHODS}
         # One engine at a time (each holds ~3.5 GB; the others are closed, not idle beside it).
         log("host a's vLLM computes the documents; its connector puts them into a's daemon")
@@ -185,6 +190,12 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
                 wait_held(h.b, lm.model_id, doc + question, held, "b to see a's chunks")
                 log(f"  document {r + 1}/{runs} ({len(doc)} tokens): computed and put in "
                     f"{time.perf_counter() - t0:.1f} s")
+        for r, doc in enumerate(docs):  # still held, every one: an evicted document would be computed on b
+            held = len(doc) - len(doc) % chunk_tokens
+            found = h.b.client().lookup(lm.model_id, doc + question)["found_tokens"]
+            if found < held:
+                raise RuntimeError(f"document {r + 1}: {found} of its {held} tokens still held after every put: "
+                                   f"a's store ({STORE_BUDGET}) is too small for {runs} documents")
         with Engine(folder, None, root / "b-vllm.log", max_model_len=max_model_len) as plain:
             t = _warm_up(plain, warm + question)
             prefill_tps = len(warm + question) / t

@@ -75,6 +75,20 @@ def test_levels_are_ordered_by_size_and_quality(lm, case, shipped):
     assert kls[0] < kls[2]
 
 
+def test_max_sits_between_int8_and_high_in_size_and_below_both_in_kl(lm, case, shipped):
+    # `max` is for answers that must not move: nearer the exact cache than int8, in fewer bytes.
+    from codec import baselines
+
+    kv, cont, ref = case
+    dec, bits = roundtrip(kv, "max", shipped)
+    _, high_bits = roundtrip(kv, "high", shipped)
+    int8 = baselines.SCHEMES["int8"]
+    as_int8 = torch.cat([int8.decode(int8.encode(kv[:, :, s:s + CHUNK].contiguous())) for s in range(0, kv.shape[2], CHUNK)], 2)
+    kl = {name: quality.kl(ref, models.continuation_logits(lm, x, cont)) for name, x in (("max", dec), ("int8", as_int8))}
+    assert high_bits < bits < 8.0
+    assert kl["max"] < kl["int8"] / 2, kl
+
+
 @pytest.mark.parametrize("level", ["high", "balanced"])
 def test_no_confident_prediction_flips(lm, case, shipped, level):
     # WikiText is full of near-ties (greedy runs part ways on them), so the property is about
