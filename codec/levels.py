@@ -57,9 +57,9 @@ LEVELS: dict[str, Level] = {
     "fast": Level("fast", 3, OURS, scale=3.6, kl_floor=0.02),
     # For an engine that must answer as if it had computed the context (the same greedy tokens,
     # near ties included): an eighth of `high`'s steps, 3 bits more per value. SmolLM2 on WikiText:
-    # 2.72x (int8: 1.98x) at KL 0.000023 (int8: 0.00013, high: 0.0013); the 8 greedy tokens after
+    # 2.73x (int8: 1.98x) at KL 0.00001 (int8: 0.00009, high: 0.00094); the 8 greedy tokens after
     # 4096-token documents changed in 1 of 40 (int8: 4, a quarter of high's steps: 4; high: 6 of
-    # 10) (docs/benchmarks.md "max: the level that keeps the tokens"). Stored where [codec] levels
+    # 10) (docs/benchmarks.md "`max`: the level that keeps the answer"). Stored where [codec] levels
     # names it; never tuned or rate-controlled: a fixed distance below `high`.
     "max": Level("max", 7, OURS, scale=0.125, of="high"),
     # CacheGen as the paper has it: anchor/delta, per-channel steps, fixed thirds of layers.

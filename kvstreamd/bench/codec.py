@@ -30,7 +30,7 @@ from . import profile_and_pool, write_json
 
 # cachegen:LEVEL codes each chunk at the scale its own costs give it (codec.rate, as the daemon
 # does for a put that brings them); cachegen:LEVEL/fixed at the level's one scale, as before.
-SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:high", "cachegen:balanced",
+SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:max", "cachegen:high", "cachegen:balanced",
            "cachegen:fast", "cachegen:high/fixed", "cachegen:balanced/fixed", "cachegen:fast/fixed"]
 FIXED = "/fixed"
 
