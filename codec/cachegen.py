@@ -114,7 +114,8 @@ def transformed_symbols(x: torch.Tensor, layer: int, k_or_v: int, transforms: in
     """Channels x [n, C] of one stream -> its quantized symbols [n, C] (int32): PCA components
     at their steps, or the channels at one step."""
     if transforms & bs.PCA:
-        x = pca.forward(x, torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v))
+        x = pca.forward(x, torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v),
+                        profile.channel_scale(layer, k_or_v))
         return quantize(x, profile.component_steps(layer, k_or_v, step))
     return quantize(x, torch.tensor(step))
 

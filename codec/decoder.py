@@ -136,7 +136,8 @@ class Decoder:
     def _scaled(self, steps: np.ndarray, streams: range) -> torch.Tensor:
         p = self.profile
         return torch.cat([pca.scaled_bases(p.component_steps(s // 2, s % 2, float(steps[s // 2, s % 2])),
-                                           p.basis(s // 2, s % 2)) for s in streams]).to(self.device)
+                                           p.basis(s // 2, s % 2), p.channel_scale(s // 2, s % 2))
+                          for s in streams]).to(self.device)
 
     def tables(self, steps: np.ndarray, pca_bases: bool = False, lane_models: bool = False) -> StepTables:
         """The tables of one step table [L, 2], built on first use (the parts asked for)."""

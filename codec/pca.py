@@ -1,17 +1,26 @@
 """The PCA rotation of one (layer, K/V) stream: channels minus their mean, rotated into
 orthonormal components sorted by variance, in independent blocks of channels (one block per
 KV head, or one block of all heads). Orthonormal, so a quantization error in components is
-the same error in channels."""
+the same error in channels.
+
+A profile may weight the channels first (`scale` [C], each channel's error weight's square
+root): the rotation is then fitted to, and applied on, the weighted channels, so a uniform step
+on the components spends its error where it costs least -- the weighted KLT, which decorrelates
+the signal in the metric the model's error is measured in. Without a scale, the plain
+rotation of before."""
 from __future__ import annotations
 
 import torch
 
 
-def fit(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [N, C] samples. Returns mean [C] and bases [C // block, block, block] (float64),
-    columns by decreasing variance within each block."""
+def fit(x: torch.Tensor, block: int, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [N, C] samples; scale: [C] channel weights' roots, or None. Returns mean [C] (of the
+    channels, unweighted) and bases [C // block, block, block] (float64) of the (weighted)
+    channels, columns by decreasing variance within each block."""
     mean = x.mean(0)
     xc = (x - mean).to(torch.float64)
+    if scale is not None:
+        xc = xc * scale.to(torch.float64)
     bases = []
     for b in xc.split(block, dim=1):
         evals, evecs = torch.linalg.eigh(b.T @ b / b.shape[0])
@@ -19,20 +28,25 @@ def fit(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, torch.stack(bases)
 
 
-def forward(x: torch.Tensor, mean: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
-    """[T, C] channels -> [T, C] components (block-major, as fit orders them)."""
+def forward(x: torch.Tensor, mean: torch.Tensor, bases: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, C] channels -> [T, C] components (block-major, as fit orders them); scale as fit's."""
     nb, b, _ = bases.shape
-    xc = (x - mean).view(-1, nb, b).transpose(0, 1)  # [nb, T, b]
+    xc = x - mean
+    if scale is not None:
+        xc = xc * scale
+    xc = xc.view(-1, nb, b).transpose(0, 1)  # [nb, T, b]
     return torch.bmm(xc, bases).transpose(0, 1).reshape(x.shape[0], nb * b)
 
 
-def scaled_bases(steps: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
-    """[blocks, b, b]: each block's basis with column c scaled by the step of component c --
-    the transpose of the inverse's GEMM operand (to_channels), kept contiguous: the layout
-    the GEMM has always been given, which decides how it rounds. Depends only on the stream and
-    its step, so decoders keep it."""
+def scaled_bases(steps: torch.Tensor, bases: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[blocks, b, b]: each block's basis with column c scaled by the step of component c (and
+    row i divided by channel i's `scale`, which undoes the weighting) -- the transpose of the
+    inverse's GEMM operand (to_channels), kept contiguous: the layout the GEMM has always been
+    given, which decides how it rounds. Depends only on the stream and its step, so decoders
+    keep it."""
     nb, b, _ = bases.shape
-    return bases * steps.view(nb, 1, b)
+    out = bases * steps.view(nb, 1, b)
+    return out if scale is None else out / scale.view(nb, b, 1)
 
 
 def to_channels(symbols: torch.Tensor, means: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
                                texts=args.texts or calibrate.TUNING_TEXTS,
                                tuning_contexts=args.tuning_contexts or calibrate.TUNING_CONTEXTS,
                                tuning_tokens=args.tuning_tokens or calibrate.TUNING_TOKENS,
-                               tuning_continuation=args.tuning_continuation or calibrate.TUNING_CONTINUATION)
+                               tuning_continuation=args.tuning_continuation or calibrate.TUNING_CONTINUATION,
+                               rate_control=args.rate_control)
     out = Path(args.out) if args.out else registry.user_file(prof)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
@@ -311,6 +312,9 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--tuning-continuation", type=int, default=None, metavar="N")
     cal.add_argument("--sensitivity-from", metavar="PROFILE",
                      help="reuse the sensitivity measured for an earlier profile of the same model")
+    cal.add_argument("--no-rate-control", dest="rate_control", action="store_false",
+                     help="no per-chunk rate control: every chunk at its level's one scale (for a model whose "
+                          "held-out text breaks the floors under it, as Gemma-3-270M's does)")
     cal.set_defaults(func=_profile_calibrate)
     retunes = {"tune-rate": "tune a profile's per-chunk rate control (each level's target) and measure its "
                             "level costs again, on calibration text, and write it as a new profile",

@@ -320,14 +320,16 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
               sensitivity_tokens: int = 1024, continuation: int = 128, sink_tokens: int = 1,
               sensitivity: np.ndarray | None = None, texts=TUNING_TEXTS, tuning_contexts: int = TUNING_CONTEXTS,
               tuning_tokens: int = TUNING_TOKENS, tuning_continuation: int = TUNING_CONTINUATION,
-              log: Callable[[str], None] = print) -> profiles.Profile:
+              rate_control: bool = True, log: Callable[[str], None] = print) -> profiles.Profile:
     """The whole calibration. The statistics come from WikiText's split. Each stream's
     sensitivity is measured twice: with Gaussian noise on WikiText (a first ranking, which sets
     the steps the second measurement codes at), then with the codec's own error on the tuning
     text of each kind in `texts` (codec_sensitivity: what sets the shipped steps). The level
     scales are then tuned on that text: `tuning_contexts` x `tuning_tokens` (+
     `tuning_continuation`) tokens of each kind. `sensitivity` reuses an earlier profile's final
-    measurement (the slow part) and skips both."""
+    measurement (the slow part) and skips both. `rate_control` False: no per-chunk rate control
+    (every chunk at its level's one scale), for a model whose held-out text it does not hold the
+    floors on (Gemma-3-270M's: docs/benchmarks.md)."""
     texts = tuple(texts)
     for kind in texts:  # a kind held out from tuning, or unknown, is refused before any prefill
         corpus.path(split, kind)
@@ -365,23 +367,25 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     log(f"tuning level scales on {', '.join(texts)}")
     prof.meta["level_scales"] = tune_levels(lm, prof, tuning, log)
     prof._id = None  # meta changed
-    costs = chunk_costs(lm, prof, tuning, log)
-    log("tuning each level's target for per-chunk rate control")
-    prof.meta["rate_control"] = tune_targets(lm, prof, tuning, log, costs)
-    prof._id = None
+    costs = None
+    if rate_control:
+        costs = chunk_costs(lm, prof, tuning, log)
+        log("tuning each level's target for per-chunk rate control")
+        prof.meta["rate_control"] = tune_targets(lm, prof, tuning, log, costs)
+        prof._id = None
     log("measuring each level's cost (what the sender's level choice weighs for this model)")
     prof.meta["level_dppl"] = level_costs(lm, prof, tuning, costs, log)
     prof._id = None
     return prof
 
 
-def level_costs(lm, profile, cases: dict[str, list], costs: dict[str, list],
+def level_costs(lm, profile, cases: dict[str, list], costs: dict[str, list] | None,
                 log: Callable[[str], None] = print) -> dict[str, float]:
     """Each level's quality cost, what the sender's level choice weighs for this model
     (codec.catalog.dppl_table): the expected Δppl % of a continuation, 100 x its mean KL from the
     exact cache's next-token distributions, on the kind of text where the level costs most, with
     every chunk coded as the daemon codes it (at the scale its own probes give it, `costs`, where
-    the profile has rate control).
+    the profile has rate control; None: at its level's one scale).
 
     Not the Δppl measured on the continuations, which is logged beside it: on 256 scored tokens
     that swings about a point either way and cannot order the levels. On SmolLM2's nine tuning
@@ -395,7 +399,8 @@ def level_costs(lm, profile, cases: dict[str, list], costs: dict[str, list],
         for kind, kind_cases in cases.items():
             kls = []
             for i, (kv, cont, ref, _) in enumerate(kind_cases):
-                dec, _ = chunked_roundtrip(kv, name, profile, scales=rate.scales(name, profile, costs[kind][i]))
+                dec, _ = chunked_roundtrip(kv, name, profile,
+                                           scales=rate.scales(name, profile, costs[kind][i]) if costs else None)
                 logits = models.continuation_logits(lm, dec, cont)
                 kls.append(quality.kl(ref, logits))
                 target = torch.tensor(cont[1:])

@@ -143,12 +143,14 @@ def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
         assert torch.equal(pool.decode(data), codec.decode(data))
 
 
-def test_calibration_makes_a_working_profile(lm, tmp_path):
+@pytest.mark.parametrize("rate_control", [True, False])
+def test_calibration_makes_a_working_profile(lm, tmp_path, rate_control):
     """The whole calibration at a toy size (what it makes is checked to work, not to be good:
-    the shipped profile's quality is test_shipped_profile_matches_the_model's and the levels' tests')."""
+    the shipped profile's quality is test_shipped_profile_matches_the_model's and the levels' tests'),
+    with per-chunk rate control and without (`profile calibrate --no-rate-control`)."""
     prof = calibrate.calibrate(lm, contexts=1, tokens=160, sensitivity_contexts=1, sensitivity_tokens=128,
                                continuation=16, tuning_contexts=1, tuning_tokens=128, tuning_continuation=16,
-                               log=lambda _msg: None)
+                               rate_control=rate_control, log=lambda _msg: None)
     path = prof.save(tmp_path / "small.kvprofile")
     loaded = codec.Profile.load(path)
     assert loaded.id == prof.id
@@ -157,9 +159,13 @@ def test_calibration_makes_a_working_profile(lm, tmp_path):
         in loaded.meta["source"]
     scales = loaded.meta["level_scales"]
     assert scales["high"] < scales["balanced"] < scales["fast"]
-    targets = loaded.meta["rate_control"]["targets"]  # per-chunk rate control's, tuned as the scales are
-    assert set(targets) == set(codec.LADDER) and targets["high"] < targets["balanced"] < targets["fast"]
-    costs = loaded.meta["level_dppl"]  # measured with the chunks coded at their rate-controlled scales
+    assert loaded.tensors["pca_channel_scale"].shape == loaded.tensors["pca_mean"].shape  # the weighted rotation
+    if rate_control:
+        targets = loaded.meta["rate_control"]["targets"]  # per-chunk rate control's, tuned as the scales are
+        assert set(targets) == set(codec.LADDER) and targets["high"] < targets["balanced"] < targets["fast"]
+    else:
+        assert "rate_control" not in loaded.meta and not rate.tuned(loaded)
+    costs = loaded.meta["level_dppl"]  # measured with the chunks coded as the daemon codes them
     assert set(costs) == set(codec.LADDER) and 0 < costs["high"] < costs["fast"]
     w = corpus.windows(lm.tokenizer, "test", 1, 300)[0]
     _, kv = models.prefill(lm, w, all_logits=False)
