@@ -3,13 +3,18 @@ independent substreams, the exact sink rows, the substreams, and a CRC32 trailer
 
     magic "KVSC" | u16 version | u16 transforms | u8 level | u8 dtype | u16 L | u16 H | u16 D
     | u32 T | u32 start | 16s profile id | u8 anchor group | u8 sink tokens | u16 substreams
-    | [u16 profile layer[L], where LAYER_SUBSET] | f32 steps[L*2] | f32 anchor step | u32 sink bytes
-    | u32 substream bytes[n] | sink | substreams | u32 crc32(everything before)
+    | [u16 profile layer[L], where LAYER_SUBSET] | f32 steps[L*2]
+    | [u32 bytes | zlib(u8 token class[L, T - sink tokens]), where TOKEN_STEPS] | f32 anchor step
+    | u32 sink bytes | u32 substream bytes[n] | sink | substreams | u32 crc32(everything before)
 
 All integers little-endian. Substream s holds the chunk's layer s // 2, K (s even) or V (s odd).
 A chunk holds every layer of its profile, or (LAYER_SUBSET) the profile layers it lists: what
 a fetch of a hybrid model's prefix moves for chunks outside its sliding layers' window.
 `select` cuts such a chunk out of a whole one without decoding anything.
+TOKEN_STEPS: each token of a layer has a class, its step that of its stream times
+2**(class / 2) (codec/token_steps.py); each of the layer's two substreams is then a u32 length
+and a lane rANS block per class present in the layer, in class order, a block holding the
+class's tokens in token order.
 Transform bits say how the chunk was made: keys un-rotated, PCA, anchor/delta, exact sink
 rows, and which entropy coder wrote the substreams -- RANS: lane rANS (codec/rans.py, what the
 levels use), else constriction's ANS (codec/entropy.py; chunks stored before lane rANS, and
@@ -35,7 +40,9 @@ DELTA = 4
 SINK = 8
 RANS = 16  # entropy coder: lane rANS (codec/rans.py); without it, constriction's ANS
 LAYER_SUBSET = 32  # the chunk holds only the profile layers it lists
-KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK | RANS | LAYER_SUBSET
+TOKEN_STEPS = 64  # per-(layer, token) step classes (codec/token_steps.py)
+KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK | RANS | LAYER_SUBSET | TOKEN_STEPS
+TOP_CLASS = 6  # the coarsest token class: steps x 2**(6/2) = 8 (codec/token_steps.py)
 
 DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -62,6 +69,7 @@ class Header:
     sink: memoryview  # raw rows of the sink tokens, in dtype
     substreams: list[memoryview]
     layer_ids: tuple[int, ...] | None = None  # the profile layers held; None: all of them, in order
+    token_classes: np.ndarray | None = None  # uint8 [L, T - sink_tokens] where TOKEN_STEPS
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -77,19 +85,55 @@ def sink_rows(start: int, sink_tokens: int, tokens: int, transforms: int) -> int
     return min(max(0, sink_tokens - start), tokens) if transforms & SINK else 0
 
 
-def packed_size(layers: int, sink_bytes: int, substream_bytes: int, subset: bool) -> int:
-    """The size pack() gives a chunk of `layers` layers with these sections."""
-    return _FIXED.size + (2 * layers if subset else 0) + 8 * layers + 8 + 8 * layers + sink_bytes + substream_bytes + 4
+def packed_size(layers: int, sink_bytes: int, substream_bytes: int, subset: bool, classes_bytes: int = 0) -> int:
+    """The size pack() gives a chunk of `layers` layers with these sections (classes_bytes:
+    the zlib'd token classes, where it has them)."""
+    return (_FIXED.size + (2 * layers if subset else 0) + 8 * layers + (4 + classes_bytes if classes_bytes else 0)
+            + 8 + 8 * layers + sink_bytes + substream_bytes + 4)
+
+
+def class_blocks(classes: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """A layer's token classes [n] -> (class, its tokens' rows) for each class present, in class
+    order: the blocks each of the layer's substreams holds under TOKEN_STEPS."""
+    return [(int(c), np.flatnonzero(classes == c)) for c in np.unique(classes)]
+
+
+def split_classes(data: bytes | memoryview, count: int) -> list[memoryview]:
+    """A TOKEN_STEPS substream -> its `count` blocks (u32 length, block, ...)."""
+    data = memoryview(data).cast("B")
+    out, pos = [], 0
+    for _ in range(count):
+        if pos + 4 > len(data):
+            raise CodecError("substream truncated inside its class blocks")
+        (n,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        if pos + n > len(data):
+            raise CodecError("substream's class block runs past its end")
+        out.append(data[pos:pos + n])
+        pos += n
+    if pos != len(data):
+        raise CodecError(f"substream holds {len(data) - pos} bytes after its class blocks")
+    return out
+
+
+def join_classes(blocks: list[bytes]) -> bytes:
+    """split_classes's inverse."""
+    return b"".join(struct.pack("<I", len(b)) + b for b in blocks)
 
 
 def pack(h: Header) -> bytes:
-    transforms = h.transforms & ~LAYER_SUBSET | (LAYER_SUBSET if h.layer_ids is not None else 0)
+    transforms = h.transforms & ~(LAYER_SUBSET | TOKEN_STEPS) | (LAYER_SUBSET if h.layer_ids is not None else 0) \
+        | (TOKEN_STEPS if h.token_classes is not None else 0)
     fixed = _FIXED.pack(MAGIC, VERSION, transforms, h.level, DTYPE_CODES[h.dtype], h.layers,
                         h.heads, h.head_dim, h.tokens, h.start, h.profile_id, h.group,
                         h.sink_tokens, len(h.substreams))
     lengths = np.array([len(s) for s in h.substreams], dtype="<u4")
     ids = np.array(h.layer_ids, "<u2").tobytes() if h.layer_ids is not None else b""
-    parts = [fixed, ids, np.asarray(h.steps, "<f4").tobytes(), struct.pack("<fI", h.anchor_step, len(h.sink)),
+    classes = b""
+    if h.token_classes is not None:
+        packed = zlib.compress(np.ascontiguousarray(h.token_classes, np.uint8).tobytes(), 6)
+        classes = struct.pack("<I", len(packed)) + packed
+    parts = [fixed, ids, np.asarray(h.steps, "<f4").tobytes(), classes, struct.pack("<fI", h.anchor_step, len(h.sink)),
              lengths.tobytes(), bytes(h.sink), *h.substreams]
     body = b"".join(parts)
     return body + struct.pack("<I", zlib.crc32(body))
@@ -136,6 +180,24 @@ def unpack(data: bytes | bytearray | memoryview, check_crc: bool = True) -> Head
         raise CodecError(f"bitstream truncated inside its tables ({len(data)} < {need} bytes)")
     steps = np.frombuffer(data[pos:pos + 8 * layers], "<f4").reshape(layers, 2).astype(np.float32)
     pos += 8 * layers
+    token_classes = None
+    if transforms & TOKEN_STEPS:
+        if not transforms & RANS or transforms & DELTA:
+            raise CodecError("bitstream has token steps without lane rANS")
+        (clen,) = struct.unpack_from("<I", data, pos)
+        if len(data) < pos + 4 + clen + 8 + 4 * n_sub + 4:
+            raise CodecError("bitstream truncated inside its token classes")
+        rows = tokens - min(sink_tokens, tokens)
+        try:
+            raw = zlib.decompress(bytes(data[pos + 4:pos + 4 + clen]), bufsize=layers * rows + 1)
+        except zlib.error as e:
+            raise CodecError(f"bitstream's token classes are damaged: {e}") from None
+        if len(raw) != layers * rows:
+            raise CodecError(f"bitstream's token classes hold {len(raw)} bytes for {layers} x {rows} tokens")
+        token_classes = np.frombuffer(raw, np.uint8).reshape(layers, rows)
+        if token_classes.size and int(token_classes.max()) > TOP_CLASS:
+            raise CodecError(f"bitstream has token class {int(token_classes.max())} (the top is {TOP_CLASS})")
+        pos += 4 + clen
     anchor_step, sink_len = struct.unpack_from("<fI", data, pos)
     pos += 8
     lengths = np.frombuffer(data[pos:pos + 4 * n_sub], "<u4").astype(np.int64)
@@ -151,7 +213,8 @@ def unpack(data: bytes | bytearray | memoryview, check_crc: bool = True) -> Head
         subs.append(data[pos:pos + n])
         pos += int(n)
     return Header(transforms, level, DTYPES[dtype_code], layers, heads, head_dim, tokens, start,
-                  bytes(profile_id), group, sink_tokens, steps, float(anchor_step), sink, subs, layer_ids)
+                  bytes(profile_id), group, sink_tokens, steps, float(anchor_step), sink, subs, layer_ids,
+                  token_classes)
 
 
 def select(data: bytes | memoryview, layers: tuple[int, ...]) -> bytes:
@@ -173,5 +236,6 @@ def select(data: bytes | memoryview, layers: tuple[int, ...]) -> bytes:
         sink = np.frombuffer(h.sink, np.uint8).reshape(h.layers, -1)[rows].tobytes()
     subs = [h.substreams[2 * r + kv] for r in rows for kv in range(2)]
     cut = Header(h.transforms, h.level, h.dtype, len(rows), h.heads, h.head_dim, h.tokens, h.start, h.profile_id,
-                 h.group, h.sink_tokens, h.steps[rows], h.anchor_step, memoryview(sink), subs, layers)
+                 h.group, h.sink_tokens, h.steps[rows], h.anchor_step, memoryview(sink), subs, layers,
+                 None if h.token_classes is None else h.token_classes[rows])
     return pack(cut)

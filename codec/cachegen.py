@@ -6,16 +6,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import anchor, bitstream as bs, entropy, levels, pca, rans, rope
+from . import anchor, bitstream as bs, entropy, levels, pca, rans, rope, token_steps
 from .profile import Profile
 from .quantize import dequantize, quantize
 
 
 def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Profile | None = None,
-           start: int = 0, scale: float | None = None) -> bytes:
+           start: int = 0, scale: float | None = None, token_classes: np.ndarray | None = None) -> bytes:
     """Compress one chunk of KV [L, 2, T, H, D] (fp16, bf16 or fp32) whose first token sits at
     absolute position `start`; `scale`: the chunk's own step scale (codec.rate.scales), else the
-    level's. Pure CPU work that holds the GIL: never call it on an event loop."""
+    level's; `token_classes`: uint8 [L, T], its tokens' step classes (codec.token_steps), used
+    where the profile and level take them. Pure CPU work that holds the GIL: never call it on
+    an event loop."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"KV must be [L, 2, T, H, D], got {tuple(kv.shape)}")
     if kv.dtype not in bs.DTYPE_CODES:
@@ -27,25 +29,36 @@ def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Pr
     if profile is None:
         raise ValueError("encode needs the model's profile (codec.registry.for_model(model_id))")
     profile.check_shape(L, H, D)
-    h = header_of(kv, lv, profile, start, scale)
+    h = header_of(kv, lv, profile, start, scale, token_classes)
     angles = key_angles(h.transforms, start, h.sink_tokens, T, profile)
     h.substreams = [encode_stream(kv[layer, k_or_v], layer, k_or_v, h.transforms, h.steps, lv.anchor_step, start,
-                                  h.sink_tokens, profile, angles) for layer in range(L) for k_or_v in range(2)]
+                                  h.sink_tokens, profile, angles, layer_classes(h, layer))
+                    for layer in range(L) for k_or_v in range(2)]
     return bs.pack(h)
 
 
 def header_of(kv: torch.Tensor, lv: levels.Level, profile: Profile, start: int,
-              scale: float | None = None) -> bs.Header:
+              scale: float | None = None, token_classes: np.ndarray | None = None) -> bs.Header:
     """The header of chunk kv [L, 2, T, H, D] coded at `lv` (at `scale`, if given) with `profile`
-    from position `start`, its substreams still to fill in: the transforms, sink rows and steps they are
-    coded with, and what the bitstream says of itself (its layers among them). Every encoder
-    (encode, codec.parallel's pool) builds it here, so their chunks cannot differ."""
+    from position `start`, its substreams still to fill in: the transforms, sink rows, steps and
+    token classes they are coded with, and what the bitstream says of itself (its layers among
+    them). Every encoder (encode, codec.parallel's pool) builds it here, so their chunks cannot
+    differ. Token classes a level or profile does not take are dropped."""
     L, _, T, H, D = kv.shape
     transforms = transforms_for(lv, profile)
     ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
     sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
+    classes = None
+    if token_classes is not None and token_steps.applies(lv, profile) and transforms & bs.RANS and T > ns:
+        classes = np.ascontiguousarray(token_steps.check(token_classes, L, T)[:, ns:])
     return bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
-                     ns, lv.steps(profile, scale), lv.anchor_step, memoryview(sink), [], layer_ids_of(profile))
+                     ns, lv.steps(profile, scale), lv.anchor_step, memoryview(sink), [], layer_ids_of(profile),
+                     classes)
+
+
+def layer_classes(h: bs.Header, layer: int) -> np.ndarray | None:
+    """The token classes [T - sink rows] of a layer of chunk h, None without token steps."""
+    return None if h.token_classes is None else h.token_classes[layer]
 
 
 def transforms_for(lv: levels.Level, profile: Profile) -> int:
@@ -76,8 +89,10 @@ def key_angles(transforms: int, start: int, sink_rows: int, tokens: int,
 
 def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, steps: np.ndarray,
                   anchor_step: float, start: int, sink_rows: int, profile: Profile,
-                  angles: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> bytes:
-    """One substream: x [T, H, D] of one (layer, K/V); angles: key_angles of its chunk."""
+                  angles: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                  classes: np.ndarray | None = None) -> bytes:
+    """One substream: x [T, H, D] of one (layer, K/V); angles: key_angles of its chunk;
+    classes: its layer's token classes (layer_classes), None where the chunk has none."""
     x = _channels(x, layer, k_or_v, transforms, start, sink_rows, profile, angles)
     n = x.shape[0]
     step = float(steps[layer, k_or_v])
@@ -91,7 +106,10 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
         d_sym = quantize(anchor.deltas(xc, a_hat, profile.group), d_step)
         return entropy.encode_blocks([(a_sym, profile.models("anchor", layer, k_or_v, anchor_step)),
                                       (d_sym, profile.models("delta", layer, k_or_v, step))])
-    sym = transformed_symbols(x, layer, k_or_v, transforms, step, profile)
+    sym = transformed_symbols(x, layer, k_or_v, transforms, step, profile, classes)
+    if classes is not None:  # a block per class, each with its step's models (bitstream.TOKEN_STEPS)
+        return bs.join_classes([rans.encode_block(sym[rows], profile.rans_models(layer, k_or_v, token_steps.class_step(step, c)))
+                                for c, rows in bs.class_blocks(classes)])
     if transforms & bs.RANS:
         return rans.encode_block(sym, profile.rans_models(layer, k_or_v, step))
     return entropy.encode_blocks([(sym, profile.models("pca", layer, k_or_v, step))])
@@ -110,32 +128,37 @@ def _channels(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, start: 
 
 
 def transformed_symbols(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, step: float,
-                        profile: Profile) -> np.ndarray:
+                        profile: Profile, classes: np.ndarray | None = None) -> np.ndarray:
     """Channels x [n, C] of one stream -> its quantized symbols [n, C] (int32): PCA components
-    at their steps, or the channels at one step."""
+    at their steps (each token's times its class's multiplier, where it has classes), or the
+    channels at one step."""
     if transforms & bs.PCA:
         x = pca.forward(x, torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v),
                         profile.channel_scale(layer, k_or_v))
-        return quantize(x, profile.component_steps(layer, k_or_v, step))
+        steps = profile.component_steps(layer, k_or_v, step)
+        if classes is not None:
+            steps = steps[None] * torch.from_numpy(token_steps.multipliers(classes))[:, None]
+        return quantize(x, steps)
     return quantize(x, torch.tensor(step))
 
 
 def roundtrip(kv: torch.Tensor, level: str | levels.Level, profile: Profile, start: int = 0,
-              scale: float | None = None) -> torch.Tensor:
-    """What decode(encode(kv, level, profile, start, scale)) gives, without the entropy coder
+              scale: float | None = None, token_classes: np.ndarray | None = None) -> torch.Tensor:
+    """What decode(encode(kv, level, profile, start, scale, token_classes)) gives, without the entropy coder
     either way (the same symbols, through the decoder's own inverse): what coding a chunk does
     to it, for a probe that prices it (kvstreamd.models.rate_probe). Levels without the
     entropy coder's lossless step between them (anchor/delta) are refused."""
     from .decoder import for_profile, fill_sink  # the inverse is the decoder's: one definition
 
     lv = levels.get(level)
-    h = header_of(kv, lv, profile, start, scale)
+    h = header_of(kv, lv, profile, start, scale, token_classes)
     if h.transforms & bs.DELTA:
         raise ValueError(f"roundtrip() takes the PCA levels, not {lv.name}")
     angles = key_angles(h.transforms, start, h.sink_tokens, kv.shape[2], profile)
     sym = np.stack([transformed_symbols(_channels(kv[layer, k_or_v], layer, k_or_v, h.transforms, start,
                                                   h.sink_tokens, profile, angles),
-                                        layer, k_or_v, h.transforms, float(h.steps[layer, k_or_v]), profile).T
+                                        layer, k_or_v, h.transforms, float(h.steps[layer, k_or_v]), profile,
+                                        layer_classes(h, layer)).T
                     for layer in range(h.layers) for k_or_v in range(2)])
     out = torch.empty(kv.shape, dtype=kv.dtype)
     for_profile(profile).from_symbols(h, torch.from_numpy(np.ascontiguousarray(sym, np.float32)), out)

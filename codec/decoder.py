@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import anchor, bitstream as bs, entropy, levels, pca, rans, registry, rope
+from . import anchor, bitstream as bs, entropy, levels, pca, rans, registry, rope, token_steps
 from .errors import CodecError
 from .profile import Profile
 from .quantize import dequantize
@@ -266,15 +266,26 @@ class Decoder:
         for j, s in enumerate(range(s0, s0 + S)):
             layer, kv = divmod(s, 2)
             step = float(h.steps[layer, kv])
-            if h.transforms & bs.RANS:
+            if h.token_classes is not None:
+                self._class_blocks(h, layer, kv, step, sym[j])
+            elif h.transforms & bs.RANS:
                 rans.decode_block(h.substreams[s], n, p.rans_models(layer, kv, step), out=sym[j])
             else:
                 ((sym[j], _),) = entropy.decode_blocks(h.substreams[s], [(n, p.models("pca", layer, kv, step))])
         # Converted in place (int32 and float32 have the same size): one buffer fewer.
         values = torch.from_numpy(sym.view(np.float32))
         values.copy_(torch.from_numpy(sym))
+        scale_tokens(h, values, s0)
         x = self._channels(h, t, values, s0)
         self._write(h, x, values, s0, dst)  # the symbols are dead once the GEMM has run
+
+    def _class_blocks(self, h: bs.Header, layer: int, kv: int, step: float, out: np.ndarray) -> None:
+        """A TOKEN_STEPS stream's class blocks decoded into out [C, n] (int32), each class's
+        tokens scattered to their rows."""
+        blocks = bs.class_blocks(h.token_classes[layer])
+        for (c, rows), data in zip(blocks, bs.split_classes(h.substreams[2 * layer + kv], len(blocks))):
+            part, _ = rans.decode_block(data, len(rows), self.profile.rans_models(layer, kv, token_steps.class_step(step, c)))
+            out[:, rows] = part
 
     def _delta_stream(self, h: bs.Header, s: int, n: int) -> torch.Tensor:
         """CacheGen's anchor/delta stream s -> channels [n, C] (the paper's configuration)."""
@@ -293,6 +304,7 @@ class Decoder:
         entropy decoding gives them; overwritten), into out [L, 2, T, H, D] on the CPU, the sink
         rows aside (fill_sink's): the decode's inverse without its entropy decode."""
         t = self.tables(h.steps, pca_bases=bool(h.transforms & bs.PCA))
+        scale_tokens(h, values, 0)
         self._write(h, self._channels(h, t, values, 0), values, 0, out)
 
     def decode_streams(self, h: bs.Header, streams: range, out: torch.Tensor) -> None:
@@ -335,8 +347,9 @@ class Decoder:
         batch = Batch(headers, list(chunks), sum(h.tokens for h in headers),
                       headers[0].dtype if headers else torch.float16)
         if self.lanes is not None:
+            # Chunks with token steps code a block per class: the CPU decodes them (run)
             batch.tables = [self.tables(h.steps, pca_bases=bool(h.transforms & bs.PCA), lane_models=True)
-                            if h.transforms & bs.RANS else None for h in headers]
+                            if h.transforms & bs.RANS and h.token_classes is None else None for h in headers]
             batch.lanes = self.lanes.prepare(headers, [t.lanes if t else None for t in batch.tables])
         return batch
 
@@ -381,6 +394,17 @@ class Decoder:
         if self.lanes is None:
             raise ValueError("symbols() reads the batched lanes: make the decoder with codec.gpu.device_decoder")
         return self.lanes.symbols(batch.lanes)
+
+
+def scale_tokens(h: bs.Header, values: torch.Tensor, s0: int) -> None:
+    """Symbols values [S, C, n] (float32) of streams s0.. times each token's step multiplier,
+    in place, where chunk h has token classes: the stream's step the GEMM applies does the rest."""
+    if h.token_classes is None:
+        return
+    S = values.shape[0]
+    layers = [s // 2 for s in range(s0, s0 + S)]
+    m = torch.from_numpy(token_steps.multipliers(h.token_classes[layers]))  # [S, n]
+    values.mul_(m[:, None, :].to(values.device))
 
 
 # -- one decoder per profile, for codec.decode and the pool's workers -----------------------------

@@ -127,7 +127,7 @@ def _decode_into(dest: Destination, name: str, size: int, data_len: int, streams
 
 def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str, profile_id: bytes,
                  layer_ids: tuple[int, ...] | None, start: int, sink_rows: int, streams: range,
-                 scale: float | None = None) -> list[bytes]:
+                 scale: float | None = None, classes: np.ndarray | None = None) -> list[bytes]:
     mm = worker_map(name, size)
     kv = torch.frombuffer(mm, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
     lv, profile = levels.get(level), registry.find(profile_id)
@@ -137,7 +137,8 @@ def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str
     transforms = cachegen.transforms_for(lv, profile)
     angles = cachegen.key_angles(transforms, start, sink_rows, shape[2], profile)
     res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, transforms, steps, lv.anchor_step,
-                                  start, sink_rows, profile, angles) for s in streams]
+                                  start, sink_rows, profile, angles, None if classes is None else classes[s // 2])
+           for s in streams]
     del kv
     return res
 
@@ -458,7 +459,7 @@ class CodecPool:
             self._arena.give(name, mm)
 
     def encode(self, kv: torch.Tensor, level: str = "balanced", profile: Profile | None = None, start: int = 0,
-               scale: float | None = None) -> bytes:
+               scale: float | None = None, token_classes: np.ndarray | None = None) -> bytes:
         """cachegen.encode's chunk, its streams coded by the workers."""
         lv = levels.get(level)
         if lv.name not in levels.LEVELS:
@@ -475,9 +476,10 @@ class CodecPool:
             np.frombuffer(taken[1], np.uint8, count=raw.nbytes)[:] = raw
             staged = (taken[0], len(taken[1]))
         try:
-            h = cachegen.header_of(kv, lv, profile, start, scale)
+            h = cachegen.header_of(kv, lv, profile, start, scale, token_classes)
             h.substreams = [s for part in self._run([(k, _encode_part, *staged, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
-                                                      lv.name, profile.id, h.layer_ids, start, h.sink_tokens, run, scale)
+                                                      lv.name, profile.id, h.layer_ids, start, h.sink_tokens, run, scale,
+                                                      h.token_classes)
                                                      for k, run in enumerate(split(2 * h.layers, self.workers))])
                             for s in part]
         finally:

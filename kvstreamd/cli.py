@@ -27,7 +27,7 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
                                tuning_contexts=args.tuning_contexts or calibrate.TUNING_CONTEXTS,
                                tuning_tokens=args.tuning_tokens or calibrate.TUNING_TOKENS,
                                tuning_continuation=args.tuning_continuation or calibrate.TUNING_CONTINUATION,
-                               rate_control=args.rate_control)
+                               rate_control=args.rate_control, token_power=args.token_steps)
     out = Path(args.out) if args.out else registry.user_file(prof)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
@@ -315,6 +315,10 @@ def parser() -> argparse.ArgumentParser:
     cal.add_argument("--no-rate-control", dest="rate_control", action="store_false",
                      help="no per-chunk rate control: every chunk at its level's one scale (for a model whose "
                           "held-out text breaks the floors under it, as Gemma-3-270M's does)")
+    cal.add_argument("--token-steps", type=float, default=None, metavar="POWER",
+                     help="per-token steps (codec/token_steps.py): each token's step times (its probe weight over "
+                          "the layer's mean) ** -POWER, within 1..8; the level scales are tuned with them (0.25: "
+                          "what Gemma-3-270M's profile takes)")
     cal.set_defaults(func=_profile_calibrate)
     retunes = {"tune-rate": "tune a profile's per-chunk rate control (each level's target) and measure its "
                             "level costs again, on calibration text, and write it as a new profile",

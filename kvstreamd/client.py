@@ -21,6 +21,7 @@ fetch state (`_FetchState`), each with every route; one shared request builder o
 route table would shorten it."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import http.client
@@ -273,7 +274,7 @@ class Client:
         return self._call(*request("lookup"), {"model_id": model_id, "tokens": list(map(int, tokens))})
 
     def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0, pin: bool = False,
-            costs: list[list[float]] | None = None) -> dict:
+            costs: list[list[float]] | None = None, token_classes: Any = None) -> dict:
         """Store (model_id, tokens) with its KV [L, 2, T, H, D]; the KV crosses in shared-memory
         segments made for the call and removed after it, one per request of at most
         PUT_PIECE_BYTES (whole chunks; the reply sums them). `start`: kv is only the KV of
@@ -281,11 +282,13 @@ class Client:
         already), for a caller that makes a long context's KV piece by piece. `pin`: pin the
         whole context once stored (see pin()). `costs`: [end, last] per chunk of the whole
         context, what coding each costs the model (kvstreamd.models.rate_probe): the daemon then
-        codes each chunk at its own steps (codec.rate)."""
+        codes each chunk at its own steps (codec.rate). `token_classes`: uint8 [L, tokens] (a
+        C-contiguous array) of the whole context, each token's step class per layer
+        (codec.token_steps; kvstreamd.models.put makes them) for a profile that takes them."""
         reply = None
         ct = self.status()["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
-            body, seg = _put_segment(model_id, tokens[:e], piece, s, costs)
+            body, seg = _put_segment(model_id, tokens[:e], piece, s, costs, token_classes)
             body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
                 reply = _summed(reply, self._call(*request("put"), body))
@@ -366,7 +369,7 @@ def _summing(reply: dict | None):
 
 
 def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
-                 costs: list[list[float]] | None = None) -> tuple[dict, Segment]:
+                 costs: list[list[float]] | None = None, token_classes: Any = None) -> tuple[dict, Segment]:
     if kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"KV dtype {kv.dtype} is not one of {list(DTYPE_NAMES)}")
     seg = Segment.create(kv.numel() * kv.element_size(), mode=0o640)
@@ -384,6 +387,8 @@ def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int 
         body["start"] = int(start)
     if costs is not None:
         body["chunk_costs"] = [[float(end), float(last)] for end, last in costs]
+    if token_classes is not None:
+        body["token_classes"] = base64.b64encode(memoryview(token_classes).cast("B")).decode()
     return body, seg
 
 
@@ -521,11 +526,11 @@ class AsyncClient:
         return await self._call(*request("lookup"), {"model_id": model_id, "tokens": list(map(int, tokens))})
 
     async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
-                  pin: bool = False, costs: list[list[float]] | None = None) -> dict:
+                  pin: bool = False, costs: list[list[float]] | None = None, token_classes: Any = None) -> dict:
         reply = None
         ct = (await self.status())["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
-            body, seg = _put_segment(model_id, tokens[:e], piece, s, costs)
+            body, seg = _put_segment(model_id, tokens[:e], piece, s, costs, token_classes)
             body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
             with seg, _summing(reply):
                 reply = _summed(reply, await self._call(*request("put"), body))

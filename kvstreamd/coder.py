@@ -162,12 +162,14 @@ class Coder:
         level where it lies (CodecPool.staged)."""
         return self.pool.staged(shape, dtype)
 
-    def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int, scale: float | None = None) -> bytes:
+    def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int, scale: float | None = None,
+               token_classes=None) -> bytes:
         """Blocking: one chunk at one level (named codec level or baseline scheme); `scale`: the
-        chunk's own step scale at a codec level (codec.rate), else the level's."""
+        chunk's own step scale at a codec level (codec.rate), else the level's; `token_classes`:
+        uint8 [L, T], its tokens' step classes (codec.token_steps), where the put has them."""
         if not catalog.get(level).is_level:
             return baselines.SCHEMES[level].encode(kv)
-        return self.pool.encode(kv, level, profile, start, scale)
+        return self.pool.encode(kv, level, profile, start, scale, token_classes)
 
     def decode(self, level: str, payload: bytes | memoryview, tally: DecodeTally | None = None) -> torch.Tensor:
         """Blocking: CodecError for a payload that does not decode. Its time goes into the rate

@@ -20,11 +20,11 @@ from typing import NamedTuple
 import torch
 
 import codec
-from codec import baselines, rate, registry
+from codec import baselines, rate, registry, token_steps
 from codec.levels import LEVELS
 
 from .. import models
-from ..models import rate_probe
+from ..models import rate_probe, token_weight
 from ..lab import corpus, quality
 from . import profile_and_pool, write_json
 
@@ -39,12 +39,19 @@ class _Ours:
     def __init__(self, level: str, profile, per_chunk: bool):
         self.level, self.profile, self.per_chunk = level, profile, per_chunk
         self.scales: list[float | None] = []  # the case's chunks' scales (rate control), set per case
+        self.classes = None  # the case's token classes [L, T] (codec.token_steps), set per case
 
-    def for_case(self, costs: list) -> None:
+    def for_case(self, costs: list, weights) -> None:
         self.scales = rate.scales(self.level, self.profile, costs) if self.per_chunk else [None] * len(costs)
+        takes = token_steps.power(self.profile) is not None
+        self.classes = token_steps.classes(weights, self.profile) if takes else None
+
+    def chunk_classes(self, start: int, tokens: int):
+        return None if self.classes is None else self.classes[:, start:start + tokens]
 
     def encode(self, kv, start, index):
-        return codec.encode(kv, self.level, self.profile, start=start, scale=self.scales[index])
+        return codec.encode(kv, self.level, self.profile, start=start, scale=self.scales[index],
+                            token_classes=self.chunk_classes(start, kv.shape[2]))
 
     def decode(self, data):
         return codec.decode(data, self.profile)
@@ -76,6 +83,7 @@ class _Case(NamedTuple):
     costs: list  # each chunk's cost (rate_probe)
     probe_s: float  # seconds the probes took
     prefixes: list  # (a chunk boundary inside the context, the tokens after it, their exact logits)
+    weights: object  # [L, T]: how much the probes read each token (models.token_weight)
 
 
 def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_tokens: int, profile,
@@ -90,7 +98,7 @@ def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_t
     cases = []
     for i, w in enumerate(corpus.windows(lm.tokenizer, "test", n, length, kind=kind)):
         log(f"prefill {kind} test context {i + 1}/{n} ({tokens} tokens)")
-        _, kv = models.prefill(lm, w[:tokens], all_logits=False)
+        _, kv, weights = token_weight.weighed_prefill(lm, w[:tokens], chunk_tokens, all_logits=False)
         cont = w[tokens:]
         ref = models.continuation_logits(lm, kv, cont[:-1])
         prefixes = [(cut, w[cut:cut + continuation], models.continuation_logits(lm, kv[:, :, :cut], w[cut:cut + continuation]))
@@ -98,7 +106,7 @@ def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_t
         kv = kv.to(torch.float16)
         t0 = time.perf_counter()
         costs = rate_probe.chunk_costs(lm, w[:tokens], kv, chunk_tokens, profile)
-        cases.append(_Case(kv, cont, ref, costs, time.perf_counter() - t0, prefixes))
+        cases.append(_Case(kv, cont, ref, costs, time.perf_counter() - t0, prefixes, weights))
     return cases
 
 
@@ -112,10 +120,10 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list[_Case], chunk_to
         nbytes = elements = 0
         enc_rates, dec_rates, pool_enc, pool_dec = [], [], [], []
         ppls, kls, top1, chosen, prefix_kls = [], [], [], [], []
-        for kv, cont, ref, costs, _, prefixes in cases:
+        for kv, cont, ref, costs, _, prefixes, weights in cases:
             parts, encoded = [], []
             if isinstance(coder, _Ours):
-                coder.for_case(costs)
+                coder.for_case(costs, weights)
                 chosen += [s / LEVELS[coder.level].scale_in(profile) for s in coder.scales if s is not None]
             for index, start in enumerate(range(0, kv.shape[2], chunk_tokens)):
                 chunk = kv[:, :, start:start + chunk_tokens].contiguous()
@@ -142,7 +150,8 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list[_Case], chunk_to
                 # All cores: the whole context through the pool, as a fetch's stages see it.
                 mb = sum(c.numel() for c, _, _ in encoded) * 2 / 1e6
                 t0 = time.perf_counter()
-                again = [pool.encode(c, coder.level, profile, start=s, scale=sc)
+                again = [pool.encode(c, coder.level, profile, start=s, scale=sc,
+                                     token_classes=coder.chunk_classes(s, c.shape[2]))
                          for (c, s, _), sc in zip(encoded, coder.scales)]
                 t1 = time.perf_counter()
                 decoded = pool.decode_many(again, profile)

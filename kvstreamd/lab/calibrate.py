@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
 import codec
-from codec import profile as profiles, rate
+from codec import profile as profiles, rate, token_steps
 from codec.levels import LADDER, LEVELS
 
 from .. import models
-from ..models import rate_probe
+from ..models import rate_probe, token_weight
 from . import corpus, quality
 
 # The floors each level must hold on held-out text of every kind (codec.levels, Level.kl_floor).
@@ -56,14 +56,32 @@ CHUNK_TOKENS = 1024
 SENSITIVITY_FLOOR = 0.02
 
 
+class Case(NamedTuple):
+    """One tuning context of one kind, measured on the exact cache."""
+    kv: torch.Tensor  # [L, 2, T, H, D] fp16, as it is put
+    cont: list[int]  # the continuation's tokens
+    ref: torch.Tensor  # their exact logits
+    tokens: list[int]  # the context's
+    weights: np.ndarray | None = None  # [L, T]: how much the probes read each token (models.token_weight)
+
+    def classes(self, profile) -> np.ndarray | None:
+        """Its tokens' step classes with `profile` (codec.token_steps), None where it takes none."""
+        if self.weights is None or token_steps.power(profile) is None:
+            return None
+        return token_steps.classes(self.weights, profile)
+
+
 def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = CHUNK_TOKENS,
-                      scales: list[float] | None = None) -> tuple[torch.Tensor, int]:
+                      scales: list[float] | None = None, token_classes: np.ndarray | None = None
+                      ) -> tuple[torch.Tensor, int]:
     """Encode and decode kv chunk by chunk as the daemon stores it, each chunk at its own scale
-    if `scales` (codec.rate) says; returns (decoded, bytes)."""
+    if `scales` (codec.rate) says, each token at its own step where `token_classes` ([L, T] of
+    the whole context) are given; returns (decoded, bytes)."""
     parts, nbytes = [], 0
     for i, start in enumerate(range(0, kv.shape[2], chunk_tokens)):
         data = codec.encode(kv[:, :, start:start + chunk_tokens], level, profile, start=start,
-                            scale=None if scales is None else scales[i])
+                            scale=None if scales is None else scales[i],
+                            token_classes=None if token_classes is None else token_classes[:, start:start + chunk_tokens])
         nbytes += len(data)
         parts.append(codec.decode(data, profile))
     return torch.cat(parts, dim=2), nbytes
@@ -114,7 +132,7 @@ def codec_sensitivity(lm, profile, cases: dict[str, list], log: Callable[[str], 
     per_kind = {}
     for kind, kind_cases in cases.items():
         kl = np.zeros((profile.layers, 2))
-        for kv, cont, ref, _ in kind_cases:
+        for kv, cont, ref, *_ in kind_cases:
             dec, _ = chunked_roundtrip(kv, lv, profile)
             mixed = kv.clone()  # one copy per case: each stream is swapped in, measured, swapped back
             for layer in range(profile.layers):
@@ -193,8 +211,8 @@ def query_module(attn):
 def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = TUNING_CONTEXTS,
                  tokens: int = TUNING_TOKENS, continuation: int = TUNING_CONTINUATION,
                  log: Callable[[str], None] = print) -> dict[str, list]:
-    """kind -> [(kv, continuation tokens, exact continuation logits, context tokens)], from each
-    kind's split."""
+    """kind -> [Case], from each kind's split: the weights by the probe rows of CHUNK_TOKENS
+    chunks, recorded during each prefill."""
     texts = tuple(texts)
     for kind in texts:  # a kind held out from tuning, or unknown, is refused before any prefill
         corpus.path(split, kind)
@@ -203,10 +221,10 @@ def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = T
         out[kind] = []
         for i, w in enumerate(corpus.windows(lm.tokenizer, split, contexts, tokens + continuation, kind=kind)):
             log(f"prefill {kind} tuning context {i + 1}/{contexts} ({tokens} tokens)")
-            _, kv = models.prefill(lm, w[:tokens], all_logits=False)
+            _, kv, weights = token_weight.weighed_prefill(lm, w[:tokens], CHUNK_TOKENS, all_logits=False)
             cont = w[tokens:]
-            out[kind].append((kv.to(torch.float16), cont, models.continuation_logits(lm, kv, cont),  # stored as fp16
-                              w[:tokens]))
+            out[kind].append(Case(kv.to(torch.float16), cont, models.continuation_logits(lm, kv, cont),  # stored as fp16
+                                  w[:tokens], weights))
     return out
 
 
@@ -238,15 +256,16 @@ def crossing(tried: list[tuple[float, float]], goal: float) -> float:
     return float(min(max(fitted, fallback if met else 0.0), ceiling))
 
 
-def _worst_kind(lm, by_kind: dict[str, list], coded: Callable[[str, int, torch.Tensor], tuple[torch.Tensor, int]]
+def _worst_kind(lm, by_kind: dict[str, list], coded: Callable[[str, int, Case], tuple[torch.Tensor, int]]
                 ) -> tuple[float, str]:
     """(the worst kind's mean KL, a line saying each kind's and the bits per element) of every
-    case coded as coded(kind, index, kv) -> (decoded KV, bytes) gives it."""
+    case coded as coded(kind, index, case) -> (decoded KV, bytes) gives it."""
     kl_of, bits = {}, []
     for kind, kind_cases in by_kind.items():
         kls = []
-        for i, (kv, cont, ref, _) in enumerate(kind_cases):
-            dec, nbytes = coded(kind, i, kv)
+        for i, case in enumerate(kind_cases):
+            kv, cont, ref = case.kv, case.cont, case.ref
+            dec, nbytes = coded(kind, i, case)
             kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
             bits.append(nbytes * 8 / kv.numel())
         kl_of[kind] = float(np.mean(kls))
@@ -270,7 +289,8 @@ def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
         for _ in range(5):
             # Another name, so the scale under test is not overridden by the profile's table.
             lv = dataclasses.replace(LEVELS[name], name=f"{name}-tuning", scale=scale)
-            got, said = _worst_kind(lm, by_kind, lambda kind, i, kv: chunked_roundtrip(kv, lv, profile))
+            got, said = _worst_kind(lm, by_kind, lambda kind, i, case: chunked_roundtrip(
+                case.kv, lv, profile, token_classes=case.classes(profile)))
             log(f"  {name:9s} scale {scale:6.3f}: {said}")
             kl_per_scale2 = got / scale ** 2
             tried.append((scale, got))
@@ -286,7 +306,7 @@ def chunk_costs(lm, profile, cases: dict[str, list], log: Callable[[str], None] 
     costs = {}
     for kind, kind_cases in cases.items():
         log(f"probing each chunk of the {kind} tuning contexts")
-        costs[kind] = [rate_probe.chunk_costs(lm, tokens, kv, CHUNK_TOKENS, profile) for kv, _, _, tokens in kind_cases]
+        costs[kind] = [rate_probe.chunk_costs(lm, c.tokens, c.kv, CHUNK_TOKENS, profile) for c in kind_cases]
     return costs
 
 
@@ -305,8 +325,9 @@ def tune_targets(lm, profile, cases: dict[str, list], log: Callable[[str], None]
         target = goal / rate.DEFAULT_MARGIN
         tried = []
         for _ in range(4):
-            got, said = _worst_kind(lm, cases, lambda kind, i, kv: chunked_roundtrip(
-                kv, name, profile, scales=rate.scales(name, profile, costs[kind][i], target)))
+            got, said = _worst_kind(lm, cases, lambda kind, i, case: chunked_roundtrip(
+                case.kv, name, profile, scales=rate.scales(name, profile, costs[kind][i], target),
+                token_classes=case.classes(profile)))
             log(f"  {name:9s} target {target:.5f}: {said}")
             tried.append((target, got))
             if abs(math.log(got / goal)) < 0.1:
@@ -320,7 +341,8 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
               sensitivity_tokens: int = 1024, continuation: int = 128, sink_tokens: int = 1,
               sensitivity: np.ndarray | None = None, texts=TUNING_TEXTS, tuning_contexts: int = TUNING_CONTEXTS,
               tuning_tokens: int = TUNING_TOKENS, tuning_continuation: int = TUNING_CONTINUATION,
-              rate_control: bool = True, log: Callable[[str], None] = print) -> profiles.Profile:
+              rate_control: bool = True, token_power: float | None = None,
+              log: Callable[[str], None] = print) -> profiles.Profile:
     """The whole calibration. The statistics come from WikiText's split. Each stream's
     sensitivity is measured twice: with Gaussian noise on WikiText (a first ranking, which sets
     the steps the second measurement codes at), then with the codec's own error on the tuning
@@ -329,7 +351,8 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     `tuning_continuation`) tokens of each kind. `sensitivity` reuses an earlier profile's final
     measurement (the slow part) and skips both. `rate_control` False: no per-chunk rate control
     (every chunk at its level's one scale), for a model whose held-out text it does not hold the
-    floors on (Gemma-3-270M's: docs/benchmarks.md)."""
+    floors on (Gemma-3-270M's: docs/benchmarks.md). `token_power`: the profile takes per-token
+    steps at that power (codec.token_steps), and its level scales are tuned with them."""
     texts = tuple(texts)
     for kind in texts:  # a kind held out from tuning, or unknown, is refused before any prefill
         corpus.path(split, kind)
@@ -360,6 +383,8 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
                         source=f"wikitext-2 {split}.txt, {contexts} x {tokens} tokens; stream sensitivity "
                                f"(codec error, worst kind) and level scales on {split}.txt of {', '.join(texts)}, "
                                f"{tuning_contexts} x {tuning_tokens} tokens each")
+    if token_power is not None:
+        prof.meta["token_steps"] = {"power": float(token_power)}
     tuning = tuning_cases(lm, split, texts, tuning_contexts, tuning_tokens, tuning_continuation, log)
     if measured:
         log(f"measuring each stream's sensitivity to the codec's own error on {', '.join(texts)}")
@@ -398,9 +423,10 @@ def level_costs(lm, profile, cases: dict[str, list], costs: dict[str, list] | No
         kl, dppl = {}, []
         for kind, kind_cases in cases.items():
             kls = []
-            for i, (kv, cont, ref, _) in enumerate(kind_cases):
+            for i, (kv, cont, ref, *_) in enumerate(kind_cases):
                 dec, _ = chunked_roundtrip(kv, name, profile,
-                                           scales=rate.scales(name, profile, costs[kind][i]) if costs else None)
+                                           scales=rate.scales(name, profile, costs[kind][i]) if costs else None,
+                                           token_classes=kind_cases[i].classes(profile))
                 logits = models.continuation_logits(lm, dec, cont)
                 kls.append(quality.kl(ref, logits))
                 target = torch.tensor(cont[1:])

@@ -11,6 +11,8 @@ in 0.19 s where the copies take 0.26 s (8192: 0.27 s against 0.39 s; two cores,
 docs/benchmarks.md)."""
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 NAME = "kvstreamd_sdpa"
@@ -19,6 +21,9 @@ NAME = "kvstreamd_sdpa"
 # 0.09-0.12 s for blocks of 19-128 tokens and nothing at 256, and a 2048-token block (a prefill's
 # second) ran 0.2-1.0 s slower packed.
 PACK_MAX_QUERIES = 128
+# What else sees each call's queries and keys, while it is set: (module, query, key, scaling,
+# softcap) -> None (token_weight.recording). None: nothing does.
+OBSERVER: contextvars.ContextVar = contextvars.ContextVar("kvstreamd_attention_observer", default=None)
 
 
 def sdpa_packed(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -29,6 +34,9 @@ def sdpa_packed(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     queries over a mask that every head shares goes to transformers' sdpa unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    observer = OBSERVER.get()
+    if observer is not None:
+        observer(module, query, key, scaling, kwargs.get("softcap"))
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q, d = query.shape
     if (groups == 1 or not 1 < q <= PACK_MAX_QUERIES or attention_mask is None or attention_mask.shape[1] != 1

@@ -18,7 +18,7 @@
                                      damaged chunks, stored models' profiles, decode rate
     POST   /v1/lookup                {model_id, tokens} -> tokens held locally and per peer
     POST   /v1/contexts              store: {model_id, tokens, buffer, shape, dtype, start?,
-                                     chunk_costs?}; KV is
+                                     chunk_costs?, token_classes?}; KV is
                                      read from the shared-memory segment `buffer` the client made
                                      (with start, a multiple of chunk_tokens: the KV of
                                      tokens[start:] only, the chunks before it held here already,
@@ -30,7 +30,10 @@
                                      not be written or was refused: error.put is that reply.
                                      chunk_costs ([[end, last]] per chunk of the whole context,
                                      codec.rate): each chunk is coded at the scale its costs give
-                                     it at each level; without them, at the level's one scale
+                                     it at each level; without them, at the level's one scale.
+                                     token_classes (base64 of uint8 [L, n], n >= the tokens, of the
+                                     whole context: codec.token_steps): each token's step class
+                                     per layer, for a profile that takes them
     POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?, device?,
                                      recompute_tokens_per_s?, text_last?,
                                      recompute_doubling_tokens?, order?} -> NDJSON events:
@@ -53,6 +56,8 @@ more than a few dozen characters of what the client sent."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 from typing import Any, AsyncIterator, Protocol
@@ -98,7 +103,8 @@ class Node(Protocol):
     def peer_info(self) -> list[dict]: ...
     async def lookup(self, model_id: str, tokens: list[int]) -> dict: ...
     async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None) -> dict: ...
+                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None,
+                  token_classes: bytes | None = None) -> dict: ...
     async def pin(self, model_id: str, tokens: list[int]) -> dict: ...
     async def unpin(self, key: bytes) -> None: ...
     async def pins(self) -> list[dict]: ...
@@ -246,6 +252,18 @@ def _chunk_costs(body: dict) -> list[ChunkCost] | None:
         raise _bad(f"field 'chunk_costs': {e}") from None
 
 
+def _token_classes(body: dict) -> bytes | None:
+    """Optional "token_classes": base64 of the whole context's uint8 [L, n] classes
+    (codec.token_steps); the node checks their shape against the model and the tokens."""
+    raw = _field(body, "token_classes", str, None)
+    if raw is None:
+        return None
+    try:
+        return base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad("field 'token_classes' is not base64") from None
+
+
 def _levels(body: dict) -> list[str] | None:
     """Optional: the levels this fetch accepts, best first (default: the configured ones). One
     level alone means exactly that level for every chunk (what a baseline measurement wants)."""
@@ -341,8 +359,9 @@ async def put(request: web.Request) -> web.Response:
     name, shape = _field(body, "buffer", str), _shape(body)
     start = _number(body, "start", int, 0, MAX_TOKENS) or 0
     pin = _field(body, "pin", bool, False)
-    costs = _chunk_costs(body)
-    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start, pin, costs))
+    costs, classes = _chunk_costs(body), _token_classes(body)
+    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start, pin, costs,
+                                                         classes))
 
 
 async def pins(request: web.Request) -> web.Response:

@@ -85,8 +85,9 @@ class Node:
     # -- the work, in its parts ----------------------------------------------------------------
 
     async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None) -> dict:
-        return await self.puts.put(model_id, tokens, buffer, shape, dtype, start, pin, costs)
+                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None,
+                  token_classes: bytes | None = None) -> dict:
+        return await self.puts.put(model_id, tokens, buffer, shape, dtype, start, pin, costs, token_classes)
 
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]:
         return self.fetches.fetch(req)

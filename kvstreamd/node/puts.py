@@ -8,7 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from codec import catalog, rate
+import numpy as np
+
+from codec import catalog, rate, token_steps
+from codec.errors import CodecError
 from codec.parallel import WorkerLost
 from codec.profile import Profile
 from codec.rate import ChunkCost
@@ -61,14 +64,16 @@ class Puts:
         self.levels = tuple(cfg.codec.levels)  # puts from now on
 
     async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None) -> dict:
+                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None,
+                  token_classes: bytes | None = None) -> dict:
         """Store a context whose KV the client left in the shared-memory segment `buffer`. With
         `start` (a multiple of chunk_tokens, below len(tokens)) the segment holds only the KV of
         tokens[start:], and the chunks before it must be held here already: a long context is
         put piece by piece, so that no one request needs all of its KV in memory at once. `pin`:
         pin the whole context once stored (see pin()). `costs`: what coding each chunk of the
         whole context costs the model (codec.rate), from its first chunk on; each chunk is then
-        coded at its own scale at each level, else at the level's one scale."""
+        coded at its own scale at each level, else at the level's one scale. `token_classes`: the
+        whole context's uint8 [L, n] step classes, raw (codec.token_steps), n >= len(tokens)."""
         prof = self.profile_for(model_id)
         ct = self.chunk_tokens
         if pin:
@@ -87,13 +92,14 @@ class Puts:
                 raise RequestError(409, "missing_prefix", f"chunk {missing} of the {len(prefix)} before start "
                                                           f"{start} is not held here: put them first")
         scales = self._scales(prof, costs, len(chunk_bounds(len(tokens), ct)))
+        classes = _classes(prof, token_classes, len(tokens))
         try:  # read by copy, never mapped: the client may truncate it under us (shm trap 4)
             seg = SegmentReader.open(buffer, tuple(shape), dtype)
         except ShmError as e:
             raise RequestError(400, "bad_buffer", str(e)) from None
         t0 = time.perf_counter()
         try:
-            out = await self._put(model_id, tokens, seg, prof, start, scales)
+            out = await self._put(model_id, tokens, seg, prof, start, scales, classes)
         except WorkerLost as e:
             raise RequestError(503, "codec_unavailable", f"encoding failed: {e}") from None
         except ShmError as e:  # the client shrank the segment mid-put; the chunks read before it are kept
@@ -133,7 +139,8 @@ class Puts:
                 for level in self.levels}
 
     async def _put(self, model_id: str, tokens: list[int], kv: SegmentReader, prof: Profile,
-                   start: int = 0, scales: dict[str, list[float | None]] | None = None) -> _PutOutcome:
+                   start: int = 0, scales: dict[str, list[float | None]] | None = None,
+                   classes=None) -> _PutOutcome:
         """Chunk, encode every level (in the codec pool), store, advertise. Chunks already held
         are skipped before any encoding. A chunk the store refuses ends the put (the chunks after
         it could not be found without it). kv holds tokens[start:] (start: a chunk boundary)."""
@@ -160,7 +167,8 @@ class Puts:
                 await asyncio.to_thread(kv.read, s - start, e - start, 2, chunk)  # kv[:, :, s:e], copied
                 for level in self.levels:
                     scale = scales[level][i] if scales else None
-                    payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s, scale)
+                    payloads[level] = await asyncio.to_thread(self.coder.encode, chunk, level, prof, s, scale,
+                                                              None if classes is None else classes[:, s:e])
                     self.metrics.stored(level, chunk.numel() * 2, len(payloads[level]))
                 del chunk
             rec = ChunkRecord.of_chunk(keys, i, (s, e), model_id, tokens, dtype, shape, payloads, time.time())
@@ -180,3 +188,18 @@ class Puts:
         log.info("put %s: %d tokens from %d, %d chunks stored, %d already held%s, %.2f s", model_id, len(tokens),
                  start, out.stored, out.held, f", chunk {out.refused[0]} refused" if out.refused else "", time.perf_counter() - t0)
         return out
+
+
+def _classes(prof: Profile, raw: bytes | None, tokens: int):
+    """A put's token classes as uint8 [L, tokens] (codec.token_steps), None without them;
+    RequestError for classes that do not fit the model or the tokens."""
+    if raw is None:
+        return None
+    n, rest = divmod(len(raw), prof.layers)
+    if rest or n < tokens:
+        raise RequestError(400, "bad_token_classes", f"token_classes hold {len(raw)} bytes: not {prof.layers} layers "
+                                                     f"x at least {tokens} tokens")
+    try:
+        return token_steps.check(np.frombuffer(raw, np.uint8).reshape(prof.layers, n), prof.layers, n)[:, :tokens]
+    except CodecError as e:
+        raise RequestError(400, "bad_token_classes", str(e)) from None

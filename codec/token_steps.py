@@ -1,0 +1,81 @@
+"""Per-token steps: each token's step multiplied by how little the model reads it.
+
+One step per (layer, K/V) stream treats every token alike, but a layer's attention does not:
+most of a context's tokens get a small share of the attention of the queries that come after
+them, a few (the sink, a heading, the token a sentence turns on) most of it. The process that
+holds the model weighs each token, per layer, by the squared attention probabilities it gets
+from the queries the rate probes already read (kvstreamd.models.token_weight: the tokens right
+after each chunk boundary and the context's last ones, summed over heads), and gives it a
+class: its step is multiplied by
+
+    m = clip((w / mean w) ** -power, 1, 2 ** (TOP_CLASS / 2)),  rounded to a power of sqrt 2
+
+the mean over the layer's tokens of the context. A token the probes read at the layer's mean
+or more keeps the stream's step; one read 16 times less, twice it (power 1/4). Gemma-3-270M on
+WikiText test, real rANS sizes: 0.68 of the bytes at equal continuation KL, no prefix KL worse
+(docs/benchmarks.md, "Per-token steps").
+
+The classes travel in the chunk (bitstream transform TOKEN_STEPS: uint8 [layers, tokens after
+the sink], zlib'd), so a decoder needs nothing of this but `multipliers`. A profile turns it on
+(meta "token_steps": {"power": p}, which calibrate tunes its level scales with); a chunk put
+without weights (the vLLM connector, an older client) codes every token at the stream's step.
+Only the ladder's levels use it: `max` keeps every token at its fine step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .bitstream import TOP_CLASS
+from .errors import CodecError
+from .levels import LADDER, LEVELS, Level, get as get_level
+from .profile import Profile
+
+DEFAULT_POWER = 0.25
+MIN_WEIGHT = 1e-12  # what a weight below it is taken as (a token no probe reads at all)
+
+
+def power(profile: Profile) -> float | None:
+    """The profile's power (meta "token_steps"), None where it codes every token alike."""
+    ts = profile.meta.get("token_steps")
+    return None if not ts else float(ts.get("power", DEFAULT_POWER))
+
+
+def applies(level: str | Level, profile: Profile) -> bool:
+    """Whether chunks of `profile` at `level` take per-token steps (given the weights): a level
+    of the ladder, or one made from it under another name (calibrate's tuning trials)."""
+    return power(profile) is not None and get_level(level).code in {LEVELS[name].code for name in LADDER}
+
+
+def classes(weights: np.ndarray, profile: Profile) -> np.ndarray:
+    """Per-(layer, token) weights [L, T] of a whole context -> classes uint8 [L, T] by the
+    profile's power (module docstring)."""
+    p = power(profile)
+    if p is None:
+        raise CodecError(f"profile {profile.id.hex()} takes no per-token steps")
+    w = np.maximum(np.asarray(weights, np.float64), MIN_WEIGHT)
+    if w.ndim != 2 or w.shape[0] != profile.layers or not np.all(np.isfinite(w)):
+        raise CodecError(f"token weights must be finite [{profile.layers}, tokens], got {w.shape}")
+    m = np.clip((w / w.mean(1, keepdims=True)) ** -p, 1.0, 2.0 ** (TOP_CLASS / 2))
+    return np.clip(np.round(2 * np.log2(m)), 0, TOP_CLASS).astype(np.uint8)
+
+
+def multipliers(token_classes: np.ndarray) -> np.ndarray:
+    """Classes (uint8, any shape) -> each token's step multiplier (float32): 2 ** (class / 2)."""
+    return np.exp2(np.asarray(token_classes, np.float32) / 2).astype(np.float32)
+
+
+def class_step(step: float, token_class: int) -> float:
+    """The step of a stream's tokens of class `token_class`, whose stream step is `step`: what
+    their entropy models are built for, on both sides."""
+    return step * 2.0 ** (token_class / 2)
+
+
+def check(token_classes: np.ndarray, layers: int, tokens: int) -> np.ndarray:
+    """Classes a caller gives for a chunk or a context, validated: uint8 [layers, tokens], each
+    at most TOP_CLASS. CodecError naming what is wrong."""
+    c = np.asarray(token_classes)
+    if c.dtype != np.uint8 or c.shape != (layers, tokens):
+        raise CodecError(f"token classes must be uint8 [{layers}, {tokens}], got {c.dtype} {list(c.shape)}")
+    if c.size and int(c.max()) > TOP_CLASS:
+        raise CodecError(f"token class {int(c.max())} is above the top class {TOP_CLASS}")
+    return c

@@ -1,0 +1,76 @@
+"""How much the probes read each token (kvstreamd.models.token_weight), on the real models:
+recorded during the prefill, the squared attention probabilities the probe rows give each
+token, as transformers' own eager attention computes them (Gemma-3's sliding window
+included); measured again on a prefilled KV, the same; and a put through models.put sends the
+classes they give, which the daemon codes each chunk's tokens with."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+import codec
+from codec import bitstream as bs, registry, token_steps
+from kvstreamd import models
+from kvstreamd.lab import corpus
+from kvstreamd.models import put as put_mod, rate_probe, token_weight
+from tests.node.test_api import client
+
+pytestmark = pytest.mark.system
+
+CHUNK = 256
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def model(request):
+    torch.set_num_threads(2)
+    return models.load(request.param)
+
+
+def _eager_weights(lm, ids: list[int], rows: list[int]) -> np.ndarray:
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = lm.model(torch.tensor([ids]), output_attentions=True, use_cache=False)
+    finally:
+        lm.model.set_attn_implementation(models.adapter.ATTN_IMPLEMENTATION)
+    return np.stack([(a[0][:, rows].double() ** 2).sum((0, 1)).numpy() for a in out.attentions])
+
+
+def test_the_weights_recorded_in_the_prefill_are_the_models_own_attention(model):
+    ids = corpus.windows(model.tokenizer, "test", 1, 700)[0]  # past Gemma's 512-token window
+    rows = rate_probe.probe_rows(len(ids), CHUNK)
+    _, kv, recorded = token_weight.weighed_prefill(model, ids, CHUNK, all_logits=False)
+    want = _eager_weights(model, ids, rows)
+    assert recorded.shape == (model.num_layers, len(ids))
+    assert np.allclose(recorded, want, rtol=1e-3, atol=1e-4)
+    assert np.allclose(token_weight.measure(model, ids, kv, rows), want, rtol=1e-3, atol=1e-4)
+    # what the probes read: in most layers the sink far above the mean, most tokens below it
+    assert (recorded[:, 0] > 5 * recorded.mean(1)).mean() > 0.5
+    assert np.median(recorded / recorded.mean(1, keepdims=True)) < 0.5
+
+
+async def test_a_put_of_a_profile_with_token_steps_codes_each_token_at_its_probes_class(lm, inprocess, monkeypatch,
+                                                                                      tmp_path):
+    shipped = registry.for_model(lm.model_id)
+    stepped = codec.Profile(dict(shipped.meta, token_steps={"power": 0.25}), dict(shipped.tensors))
+    monkeypatch.setattr(put_mod, "_profile", lambda model_id: stepped)  # as if calibrated so and found first
+    (d,) = await inprocess(["a"], profile=stepped)
+    ids = corpus.windows(lm.tokenizer, "test", 1, 600, kind="legal")[0]
+    _, _, weights = token_weight.weighed_prefill(lm, ids, CHUNK, all_logits=False)
+    want = token_steps.classes(weights, stepped)
+    async with client(d) as c:
+        from kvstreamd.client import Client
+        reply = await asyncio.to_thread(put_mod.put_context, lm, Client(d.cfg.api.socket, timeout=120), ids)
+        assert reply["stored_chunks"] == 3 and reply["probe_s"] >= 0
+        for i, key in enumerate(reply["keys"]):
+            h = bs.unpack(d.store.get(bytes.fromhex(key)).levels["balanced"])
+            s = i * CHUNK + h.sink_tokens
+            assert np.array_equal(h.token_classes, want[:, s:i * CHUNK + h.tokens])
+        assert len(np.unique(want)) > 3  # the classes spread: most tokens go coarser than the stream's step
+        got = await c.fetch(lm.model_id, ids, levels=["balanced"])
+        async with got as f:
+            await f.wait()
+            assert f.kv.shape[2] == len(ids)
