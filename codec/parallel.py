@@ -133,12 +133,10 @@ def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str
     lv, profile = levels.get(level), registry.find(profile_id)
     if layer_ids is not None:  # a chunk of some layers: coded with those layers' tables, as its header says
         profile = profile.whole().subset(layer_ids)
-    steps = lv.steps(profile, scale)
-    transforms = cachegen.transforms_for(lv, profile)
+    steps, transforms = lv.steps(profile, scale), cachegen.transforms_for(lv, profile)
     angles = cachegen.key_angles(transforms, start, sink_rows, shape[2], profile)
-    res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, transforms, steps, lv.anchor_step,
-                                  start, sink_rows, profile, angles, None if classes is None else classes[s // 2])
-           for s in streams]
+    res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, transforms, steps, lv.anchor_step, start, sink_rows,
+                                  profile, angles, None if classes is None else classes[s // 2]) for s in streams]
     del kv
     return res
 

@@ -512,9 +512,9 @@ async def test_a_put_larger_than_a_piece_goes_as_several_requests_of_whole_chunk
     sent = []
     real = client_mod._put_segment
 
-    def counted(model_id, toks, piece, start=0, costs=None):
+    def counted(model_id, toks, piece, start=0, costs=None, token_classes=None):
         sent.append((start, len(toks), piece.shape[2]))
-        return real(model_id, toks, piece, start, costs)
+        return real(model_id, toks, piece, start, costs, token_classes)
 
     monkeypatch.setattr(client_mod, "_put_segment", counted)
     async with client(a) as ca, client(b) as cb:
