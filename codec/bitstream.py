@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -70,6 +70,13 @@ class Header:
     substreams: list[memoryview]
     layer_ids: tuple[int, ...] | None = None  # the profile layers held; None: all of them, in order
     token_classes: np.ndarray | None = None  # uint8 [L, T - sink_tokens] where TOKEN_STEPS
+    _blocks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def class_blocks(self, layer: int) -> list[tuple[int, np.ndarray]]:
+        """class_blocks of a layer's token classes, made once per chunk (both its streams read them)."""
+        if layer not in self._blocks:
+            self._blocks[layer] = class_blocks(self.token_classes[layer])
+        return self._blocks[layer]
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:

@@ -35,6 +35,8 @@ CPU_SLAB_BYTES = 1 << 20
 # first); a table larger than it is never kept, and each slab scales its own.
 TABLE_BUDGET = {"cpu": 64 << 20, "cuda": 2 << 30}
 ROPE_BUDGET = {"cpu": 8 << 20, "cuda": 256 << 20}  # RoPE tables, by bytes, newest kept
+# Each token class's step multiplier (codec.token_steps), as the float32 the symbols are scaled by.
+MULTIPLIERS = [float(m) for m in token_steps.multipliers(np.arange(bs.TOP_CLASS + 1, dtype=np.uint8))]
 DECODERS_KEPT = 4  # for_profile: decoders kept, one per profile, least recently used dropped
 
 
@@ -208,8 +210,9 @@ class Decoder:
                 self.profile.models("pca", layer, kv, step)
 
     # -- the inverse transforms, shared by every device ----------------------------------------
-    def _channels(self, h: bs.Header, t: StepTables, sym: torch.Tensor, s0: int) -> torch.Tensor:
-        """Component-major values [S, C, n] (float32) of streams s0.. -> channels [S, n, C]."""
+    def _channels(self, h: bs.Header, t: StepTables, sym: torch.Tensor, s0: int, alpha: float = 1.0) -> torch.Tensor:
+        """Component-major values [S, C, n] (float32) of streams s0.. -> channels [S, n, C];
+        `alpha`: a multiplier on every step (PCA streams: a class of tokens', codec.token_steps)."""
         S, C, n = sym.shape
         if not h.transforms & bs.PCA:
             x = torch.empty((S, n, C), dtype=torch.float32, device=sym.device)
@@ -217,9 +220,9 @@ class Decoder:
         nb, _ = self._blocks()
         scaled = t.bases[s0 * nb:(s0 + S) * nb] if t.bases is not None else self._scaled(t.steps, range(s0, s0 + S))
         if self.device.type == "cpu":
-            return pca.to_channels(sym, self._means_for(s0, S), scaled)
+            return pca.to_channels(sym, self._means_for(s0, S), scaled, alpha)
         with tf32(self.device):
-            return pca.to_channels(sym, self._means_for(s0, S), scaled)
+            return pca.to_channels(sym, self._means_for(s0, S), scaled, alpha)
 
     def _write(self, h: bs.Header, x: torch.Tensor, scratch: torch.Tensor | None, s0: int, dst: torch.Tensor) -> None:
         """Channels x [S, n, C] (float32, overwritten) of streams s0.. into the chunk's tensor
@@ -262,30 +265,48 @@ class Decoder:
                 x[j] = self._delta_stream(h, s, n)
             self._write(h, x, None, s0, dst)
             return
+        if h.token_classes is not None:
+            x = torch.empty((S, n, C), dtype=torch.float32)
+            for j, s in enumerate(range(s0, s0 + S)):
+                self._class_channels(h, t, s, self._class_symbols(h, s), x[j])
+            self._write(h, x, None, s0, dst)
+            return
         sym = np.empty((S, C, n), np.int32)
         for j, s in enumerate(range(s0, s0 + S)):
             layer, kv = divmod(s, 2)
             step = float(h.steps[layer, kv])
-            if h.token_classes is not None:
-                self._class_blocks(h, layer, kv, step, sym[j])
-            elif h.transforms & bs.RANS:
+            if h.transforms & bs.RANS:
                 rans.decode_block(h.substreams[s], n, p.rans_models(layer, kv, step), out=sym[j])
             else:
                 ((sym[j], _),) = entropy.decode_blocks(h.substreams[s], [(n, p.models("pca", layer, kv, step))])
         # Converted in place (int32 and float32 have the same size): one buffer fewer.
         values = torch.from_numpy(sym.view(np.float32))
         values.copy_(torch.from_numpy(sym))
-        scale_tokens(h, values, s0)
         x = self._channels(h, t, values, s0)
         self._write(h, x, values, s0, dst)  # the symbols are dead once the GEMM has run
 
-    def _class_blocks(self, h: bs.Header, layer: int, kv: int, step: float, out: np.ndarray) -> None:
-        """A TOKEN_STEPS stream's class blocks decoded into out [C, n] (int32), each class's
-        tokens scattered to their rows."""
-        blocks = bs.class_blocks(h.token_classes[layer])
-        for (c, rows), data in zip(blocks, bs.split_classes(h.substreams[2 * layer + kv], len(blocks))):
-            part, _ = rans.decode_block(data, len(rows), self.profile.rans_models(layer, kv, token_steps.class_step(step, c)))
-            out[:, rows] = part
+    # -- a chunk with per-token steps (bitstream.TOKEN_STEPS): class by class -----------------
+    def _class_symbols(self, h: bs.Header, s: int) -> list[tuple[int, np.ndarray, torch.Tensor]]:
+        """Stream s's class blocks entropy-decoded: (class, its tokens' rows, their symbols
+        [C, rows] float32) per class it holds."""
+        layer, kv = divmod(s, 2)
+        step = float(h.steps[layer, kv])
+        blocks = h.class_blocks(layer)
+        out = []
+        for (c, rows), data in zip(blocks, bs.split_classes(h.substreams[s], len(blocks))):
+            sym, _ = rans.decode_block(data, len(rows), self.profile.rans_models(layer, kv, token_steps.class_step(step, c)))
+            values = torch.from_numpy(sym.view(np.float32))
+            values.copy_(torch.from_numpy(sym))  # converted in place, as _slab does
+            out.append((c, rows, values))
+        return out
+
+    def _class_channels(self, h: bs.Header, t: StepTables, s: int, parts: list, x: torch.Tensor) -> None:
+        """Stream s's symbols, class by class (_class_symbols), into its channels x [n, C]: each
+        class's tokens through the stream's inverse with their multiplier on its steps, written
+        to their rows (rows of a token-major tensor: a copy per token, where scattering the
+        symbols' component-major columns cost a third of the decode)."""
+        for c, rows, values in parts:
+            x.index_copy_(0, torch.from_numpy(rows), self._channels(h, t, values[None], s, MULTIPLIERS[c])[0])
 
     def _delta_stream(self, h: bs.Header, s: int, n: int) -> torch.Tensor:
         """CacheGen's anchor/delta stream s -> channels [n, C] (the paper's configuration)."""
@@ -304,7 +325,13 @@ class Decoder:
         entropy decoding gives them; overwritten), into out [L, 2, T, H, D] on the CPU, the sink
         rows aside (fill_sink's): the decode's inverse without its entropy decode."""
         t = self.tables(h.steps, pca_bases=bool(h.transforms & bs.PCA))
-        scale_tokens(h, values, 0)
+        if h.token_classes is not None:
+            x = torch.empty((values.shape[0], values.shape[2], values.shape[1]), dtype=torch.float32)
+            for s in range(values.shape[0]):
+                parts = [(c, rows, values[s][:, rows]) for c, rows in h.class_blocks(s // 2)]
+                self._class_channels(h, t, s, parts, x[s])
+            self._write(h, x, None, 0, out)
+            return
         self._write(h, self._channels(h, t, values, 0), values, 0, out)
 
     def decode_streams(self, h: bs.Header, streams: range, out: torch.Tensor) -> None:
@@ -394,17 +421,6 @@ class Decoder:
         if self.lanes is None:
             raise ValueError("symbols() reads the batched lanes: make the decoder with codec.gpu.device_decoder")
         return self.lanes.symbols(batch.lanes)
-
-
-def scale_tokens(h: bs.Header, values: torch.Tensor, s0: int) -> None:
-    """Symbols values [S, C, n] (float32) of streams s0.. times each token's step multiplier,
-    in place, where chunk h has token classes: the stream's step the GEMM applies does the rest."""
-    if h.token_classes is None:
-        return
-    S = values.shape[0]
-    layers = [s // 2 for s in range(s0, s0 + S)]
-    m = torch.from_numpy(token_steps.multipliers(h.token_classes[layers]))  # [S, n]
-    values.mul_(m[:, None, :].to(values.device))
 
 
 # -- one decoder per profile, for codec.decode and the pool's workers -----------------------------

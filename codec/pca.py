@@ -49,11 +49,12 @@ def scaled_bases(steps: torch.Tensor, bases: torch.Tensor, scale: torch.Tensor |
     return out if scale is None else out / scale.view(nb, b, 1)
 
 
-def to_channels(symbols: torch.Tensor, means: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+def to_channels(symbols: torch.Tensor, means: torch.Tensor, scaled: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """The inverse rotation of S streams at once: component-major symbols [S, C, T] (float32)
     times their steps, rotated back, plus the mean -> channels [S, T, C]. means [S * blocks, 1,
     b] and scaled [S * blocks, b, b] (scaled_bases) on the symbols' device: one batched GEMM
-    with the step, the transpose and the mean folded in."""
+    with the step, the transpose and the mean folded in; `alpha`: a multiplier on every step
+    (a class of tokens' under per-token steps, codec.token_steps), folded in too."""
     S, C, n = symbols.shape
     b = scaled.shape[-1]
     nb = C // b
@@ -64,9 +65,9 @@ def to_channels(symbols: torch.Tensor, means: torch.Tensor, scaled: torch.Tensor
         # BLAS GEMM that decodes every other chunk: block by block, as chunks always were.
         x = torch.empty((S * nb, n, b), dtype=torch.float32)
         for i in range(S * nb):
-            torch.addmm(means[i, 0], y[i], w[i], out=x[i])
+            torch.addmm(means[i, 0], y[i], w[i], alpha=alpha, out=x[i])
     else:
-        x = torch.baddbmm(means, y, w)
+        x = torch.baddbmm(means, y, w, alpha=alpha)
     if nb == 1:
         return x.view(S, n, C)
     return x.view(S, nb, n, b).permute(0, 2, 1, 3).reshape(S, n, C)

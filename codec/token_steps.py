@@ -8,16 +8,20 @@ from the queries the rate probes already read (kvstreamd.models.token_weight: th
 after each chunk boundary and the context's last ones, summed over heads), and gives it a
 class: its step is multiplied by
 
-    m = clip((w / mean w) ** -power, 1, 2 ** (TOP_CLASS / 2)),  rounded to a power of sqrt 2
+    m = clip((w / mean w) ** -power, 1, top),  rounded to a power of 2
 
 the mean over the layer's tokens of the context. A token the probes read at the layer's mean
-or more keeps the stream's step; one read 16 times less, twice it (power 1/4). Gemma-3-270M on
+or more keeps the stream's step; one read 16 times less, twice it (power 1/4). Classes are
+counted in half-octaves (a class c multiplies the step by 2 ** (c / 2): the bitstream takes
+any), but the rule gives whole octaves only: each class a stream holds is a block of its own
+to decode, and the seven of half-octave steps cost 16% of the decode's speed on Gemma-3 where
+the four of octaves cost 4%, at 0.7% more bytes at equal steps (docs/benchmarks.md). Gemma-3-270M on
 WikiText test, real rANS sizes: 0.68 of the bytes at equal continuation KL, no prefix KL worse
 (docs/benchmarks.md, "Per-token steps").
 
 The classes travel in the chunk (bitstream transform TOKEN_STEPS: uint8 [layers, tokens after
 the sink], zlib'd), so a decoder needs nothing of this but `multipliers`. A profile turns it on
-(meta "token_steps": {"power": p}, which calibrate tunes its level scales with); a chunk put
+(meta "token_steps": {"power": p, "top": t}, which calibrate tunes its level scales with); a chunk put
 without weights (the vLLM connector, an older client) codes every token at the stream's step.
 Only the ladder's levels use it: `max` keeps every token at its fine step.
 """
@@ -31,6 +35,10 @@ from .levels import LADDER, LEVELS, Level, get as get_level
 from .profile import Profile
 
 DEFAULT_POWER = 0.25
+# The coarsest multiplier the rule gives (the bitstream takes up to 2 ** (TOP_CLASS / 2) = 8). At
+# 8, Gemma-3's `fast` came to 1.42x its KL floor on the kind of text no tuning saw (manual), where
+# every tuned kind held it: half the tokens sat there, read by no probe but by later prompts.
+DEFAULT_TOP = 4.0
 MIN_WEIGHT = 1e-12  # what a weight below it is taken as (a token no probe reads at all)
 
 
@@ -38,6 +46,11 @@ def power(profile: Profile) -> float | None:
     """The profile's power (meta "token_steps"), None where it codes every token alike."""
     ts = profile.meta.get("token_steps")
     return None if not ts else float(ts.get("power", DEFAULT_POWER))
+
+
+def top(profile: Profile) -> float:
+    """The coarsest multiplier the profile's rule gives (meta "token_steps" "top")."""
+    return float((profile.meta.get("token_steps") or {}).get("top", DEFAULT_TOP))
 
 
 def applies(level: str | Level, profile: Profile) -> bool:
@@ -55,8 +68,8 @@ def classes(weights: np.ndarray, profile: Profile) -> np.ndarray:
     w = np.maximum(np.asarray(weights, np.float64), MIN_WEIGHT)
     if w.ndim != 2 or w.shape[0] != profile.layers or not np.all(np.isfinite(w)):
         raise CodecError(f"token weights must be finite [{profile.layers}, tokens], got {w.shape}")
-    m = np.clip((w / w.mean(1, keepdims=True)) ** -p, 1.0, 2.0 ** (TOP_CLASS / 2))
-    return np.clip(np.round(2 * np.log2(m)), 0, TOP_CLASS).astype(np.uint8)
+    m = np.clip((w / w.mean(1, keepdims=True)) ** -p, 1.0, min(top(profile), 2.0 ** (TOP_CLASS / 2)))
+    return np.clip(2 * np.round(np.log2(m)), 0, TOP_CLASS).astype(np.uint8)
 
 
 def multipliers(token_classes: np.ndarray) -> np.ndarray:

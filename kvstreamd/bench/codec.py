@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 import codec
-from codec import baselines, rate, registry, token_steps
+from codec import baselines, bitstream as bs, rate, registry, token_steps
 from codec.levels import LEVELS
 
 from .. import models
@@ -119,12 +120,14 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list[_Case], chunk_to
         coder = _coder(name, profile)
         nbytes = elements = 0
         enc_rates, dec_rates, pool_enc, pool_dec = [], [], [], []
-        ppls, kls, top1, chosen, prefix_kls = [], [], [], [], []
+        ppls, kls, top1, chosen, prefix_kls, classes = [], [], [], [], [], []
         for kv, cont, ref, costs, _, prefixes, weights in cases:
             parts, encoded = [], []
             if isinstance(coder, _Ours):
                 coder.for_case(costs, weights)
                 chosen += [s / LEVELS[coder.level].scale_in(profile) for s in coder.scales if s is not None]
+                if coder.classes is not None and token_steps.applies(coder.level, profile):
+                    classes.append(coder.classes.ravel())
             for index, start in enumerate(range(0, kv.shape[2], chunk_tokens)):
                 chunk = kv[:, :, start:start + chunk_tokens].contiguous()
                 mb = chunk.numel() * 2 / 1e6
@@ -181,7 +184,8 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list[_Case], chunk_to
              "decode_MBps_all_cores": round(statistics.median(pool_dec), 1) if pool_dec else None,
              # each chunk's scale over its level's one scale (rate control), over every case
              "chunk_scales": {"min": round(min(chosen), 3), "median": round(statistics.median(chosen), 3),
-                              "max": round(max(chosen), 3)} if chosen else None}
+                              "max": round(max(chosen), 3)} if chosen else None,
+             "token_steps": _class_spread(np.concatenate(classes)) if classes else None}
         results.append(r)
         log(f"  {name:18s} {bits:6.3f} bits/elem  x{16 / bits:5.2f}  dppl {r['ppl_delta_pct']:+.3f}%  "
             f"KL {r['kl']:.5f}  top1 {r['top1_agreement']:.4f}  dec {r['decode_MBps']} MB/s")
@@ -189,6 +193,14 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list[_Case], chunk_to
     for r in results:
         r["ratio_vs_int8"] = round(int8_bits / r["bits_per_element"], 3) if int8_bits else None
     return exact_ppl, results
+
+
+def _class_spread(classes) -> dict:
+    """What per-token steps did to a scheme's tokens (codec.token_steps): the share of
+    (layer, token)s in each class and the mean multiplier on their steps."""
+    share = np.bincount(classes, minlength=bs.TOP_CLASS + 1) / classes.size
+    return {"class_share": [round(float(x), 4) for x in share],
+            "mean_multiplier": round(float(token_steps.multipliers(classes).mean()), 3)}
 
 
 def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_tokens: int = 1024,

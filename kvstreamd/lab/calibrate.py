@@ -384,7 +384,7 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
                                f"(codec error, worst kind) and level scales on {split}.txt of {', '.join(texts)}, "
                                f"{tuning_contexts} x {tuning_tokens} tokens each")
     if token_power is not None:
-        prof.meta["token_steps"] = {"power": float(token_power)}
+        prof.meta["token_steps"] = {"power": float(token_power), "top": token_steps.DEFAULT_TOP}
     tuning = tuning_cases(lm, split, texts, tuning_contexts, tuning_tokens, tuning_continuation, log)
     if measured:
         log(f"measuring each stream's sensitivity to the codec's own error on {', '.join(texts)}")

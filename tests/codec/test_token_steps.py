@@ -33,15 +33,16 @@ def _classes(layers: int, tokens: int, seed: int = 0) -> np.ndarray:
 
 def test_the_rule_keeps_read_tokens_fine_and_coarsens_the_rest_by_the_power(stepped):
     L = stepped.layers
-    w = np.ones((L, 6))
+    w = np.ones((L, 64))
     w[:, 1] = 1 / 16  # read 16x less than the mean (near enough: the mean moves a little)
-    w[:, 2] = 1e-9  # not read at all: the top class
-    w[:, 3] = 100.0  # read far more than the mean: never finer than the stream's step
+    w[:, 2] = 1e-9  # not read at all: the rule's top class (a multiplier of 4)
+    w[:, 3] = 4.0  # read more than the mean: never finer than the stream's step
     got = token_steps.classes(w, stepped)
-    assert got.dtype == np.uint8 and got.shape == (L, 6)
+    assert got.dtype == np.uint8 and got.shape == (L, 64)
     mean = w.mean(1)[0]
-    assert got[0, 1] == round(2 * np.log2((1 / 16 / mean) ** -0.25))
-    assert got[0, 2] == bs.TOP_CLASS and got[0, 3] == 0
+    assert got[0, 1] == 2 * round(np.log2((1 / 16 / mean) ** -0.25)) == 2  # whole octaves: a step twice as coarse
+    assert set(np.unique(token_steps.classes(np.random.default_rng(1).lognormal(0, 3, (L, 500)), stepped))) == {0, 2, 4}
+    assert got[0, 2] == 2 * np.log2(token_steps.DEFAULT_TOP) == 4 and got[0, 3] == 0
     assert np.array_equal(token_steps.multipliers(np.array([0, 2, 6], np.uint8)), [1.0, 2.0, 8.0])
     with pytest.raises(CodecError):
         token_steps.classes(np.ones((L + 1, 6)), stepped)  # not the profile's layers
