@@ -35,6 +35,12 @@ from .levels import LADDER, LEVELS, Level, get as get_level
 from .profile import Profile
 
 DEFAULT_POWER = 0.25
+# The weights come from the queries of the rate probes' layout at this spacing -- the 64 tokens
+# after every PROBE_EVERY tokens and the context's last 64 (rate_probe.probe_rows(n, PROBE_EVERY))
+# -- whatever the daemon's chunk size: calibrate tunes the level scales on weights so measured
+# (its chunks are of 1024 tokens), and at 256-token chunks a quarter of the tokens would be
+# probes, their neighbours all read, and a 16K Gemma-3 context 14% larger.
+PROBE_EVERY = 1024
 # The coarsest multiplier the rule gives (the bitstream takes up to 2 ** (TOP_CLASS / 2) = 8). At
 # 8, Gemma-3's `fast` came to 1.42x its KL floor on the kind of text no tuning saw (manual), where
 # every tuned kind held it: half the tokens sat there, read by no probe but by later prompts.
@@ -57,6 +63,14 @@ def applies(level: str | Level, profile: Profile) -> bool:
     """Whether chunks of `profile` at `level` take per-token steps (given the weights): a level
     of the ladder, or one made from it under another name (calibrate's tuning trials)."""
     return power(profile) is not None and get_level(level).code in {LEVELS[name].code for name in LADDER}
+
+
+def rule_classes(level: str | Level, profile: Profile) -> list[int]:
+    """The classes `classes` may give chunks of `profile` at `level` ([0] where it gives none):
+    the steps whose entropy tables a decoder builds ahead of the chunks (Decoder.warm)."""
+    if not applies(level, profile):
+        return [0]
+    return list(range(0, int(2 * np.log2(min(top(profile), 2.0 ** (TOP_CLASS / 2)))) + 1, 2))
 
 
 def classes(weights: np.ndarray, profile: Profile) -> np.ndarray:

@@ -99,7 +99,7 @@ def _cases(lm, kind: str, tokens: int, contexts: int, continuation: int, chunk_t
     cases = []
     for i, w in enumerate(corpus.windows(lm.tokenizer, "test", n, length, kind=kind)):
         log(f"prefill {kind} test context {i + 1}/{n} ({tokens} tokens)")
-        _, kv, weights = token_weight.weighed_prefill(lm, w[:tokens], chunk_tokens, all_logits=False)
+        _, kv, weights = token_weight.weighed_prefill(lm, w[:tokens], all_logits=False)
         cont = w[tokens:]
         ref = models.continuation_logits(lm, kv, cont[:-1])
         prefixes = [(cut, w[cut:cut + continuation], models.continuation_logits(lm, kv[:, :, :cut], w[cut:cut + continuation]))

@@ -211,8 +211,7 @@ def query_module(attn):
 def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = TUNING_CONTEXTS,
                  tokens: int = TUNING_TOKENS, continuation: int = TUNING_CONTINUATION,
                  log: Callable[[str], None] = print) -> dict[str, list]:
-    """kind -> [Case], from each kind's split: the weights by the probe rows of CHUNK_TOKENS
-    chunks, recorded during each prefill."""
+    """kind -> [Case], from each kind's split: the token weights recorded during each prefill."""
     texts = tuple(texts)
     for kind in texts:  # a kind held out from tuning, or unknown, is refused before any prefill
         corpus.path(split, kind)
@@ -221,7 +220,7 @@ def tuning_cases(lm, split: str = "valid", texts=TUNING_TEXTS, contexts: int = T
         out[kind] = []
         for i, w in enumerate(corpus.windows(lm.tokenizer, split, contexts, tokens + continuation, kind=kind)):
             log(f"prefill {kind} tuning context {i + 1}/{contexts} ({tokens} tokens)")
-            _, kv, weights = token_weight.weighed_prefill(lm, w[:tokens], CHUNK_TOKENS, all_logits=False)
+            _, kv, weights = token_weight.weighed_prefill(lm, w[:tokens], all_logits=False)
             cont = w[tokens:]
             out[kind].append(Case(kv.to(torch.float16), cont, models.continuation_logits(lm, kv, cont),  # stored as fp16
                                   w[:tokens], weights))

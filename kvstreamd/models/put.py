@@ -31,12 +31,13 @@ def put_context(lm: LoadedModel, client: Client, tokens: list[int], kv: torch.Te
     profile = _profile(lm.model_id) if measure else None
     probing = profile is not None and rate.tuned(profile)  # an untuned profile codes every chunk at its level's one scale
     weighing = profile is not None and token_steps.power(profile) is not None
-    chunk_tokens = client.status()["chunk_tokens"] if probing or weighing else 0
-    rows = probe_rows(len(tokens), chunk_tokens) if probing or weighing else None
+    chunk_tokens = client.status()["chunk_tokens"] if probing else 0
+    rows = probe_rows(len(tokens), chunk_tokens) if probing else None
     exact = weights = None
     if kv is None:  # the prefill keeps the logits the probes compare with (a forward fewer for each), and weighs the tokens
-        with token_weight.recording(profile.layers, len(tokens), rows) if weighing else contextlib.nullcontext() as rec:
-            logits, kv = prefill(lm, tokens, all_logits=False, logits_at=rows if probing else None)
+        weigh = token_weight.recording(profile.layers, len(tokens), token_weight.rows(len(tokens))) if weighing else None
+        with weigh or contextlib.nullcontext() as rec:
+            logits, kv = prefill(lm, tokens, all_logits=False, logits_at=rows)
         exact = logits if probing else None
         weights = rec.weights if weighing else None
     t1 = time.perf_counter()
@@ -45,7 +46,7 @@ def put_context(lm: LoadedModel, client: Client, tokens: list[int], kv: torch.Te
     if probing:
         costs = [c.to_list() for c in chunk_costs(lm, tokens, kv, chunk_tokens, profile, exact)]
     if weighing:
-        weights = token_weight.measure(lm, tokens, kv, rows) if weights is None else weights
+        weights = token_weight.measure(lm, tokens, kv) if weights is None else weights
         classes = token_steps.classes(weights, profile)
     t2 = time.perf_counter()
     reply = client.put(lm.model_id, tokens, kv, pin=pin, costs=costs, token_classes=classes)

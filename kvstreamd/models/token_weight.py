@@ -4,7 +4,7 @@ model runs anyway.
 
 While `recording` is active, the adapter's attention function (attention.OBSERVER) hands each
 layer's queries and keys here; for the query rows asked for (the rate probes' tokens,
-rate_probe.probe_rows) the softmax over the keys each may read (causal, within the layer's
+rate_probe.probe_rows at codec.token_steps.PROBE_EVERY) the softmax over the keys each may read (causal, within the layer's
 window) is recomputed, squared and summed over heads and rows into that layer's weight of each
 key token. During the prefill a put runs anyway this costs no forward pass of its own; where
 the KV came prefilled (`measure`), a forward over each run of probe rows on the KV before it.
@@ -15,6 +15,8 @@ import contextlib
 
 import numpy as np
 import torch
+
+from codec.token_steps import PROBE_EVERY
 
 from . import attention
 from .adapter import LoadedModel, extend, prefill
@@ -86,22 +88,27 @@ def runs(rows: list[int]) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def measure(lm: LoadedModel, tokens: list[int], kv: torch.Tensor, rows: list[int]) -> np.ndarray:
+def measure(lm: LoadedModel, tokens: list[int], kv: torch.Tensor, at: list[int] | None = None) -> np.ndarray:
     """Weights [L, T] of the context `tokens` whose KV `[L, 2, T, H, D]` is `kv`, by the queries
-    at `rows`: each run of rows run again on the KV before it (for a caller that prefilled
-    elsewhere; one that prefills here records during it)."""
+    at `at` (default: rows()): each run of them run again on the KV before it (for a caller that
+    prefilled elsewhere; one that prefills here records during it)."""
     layers, n = kv.shape[0], kv.shape[2]
     weights = np.zeros((layers, n), np.float64)
-    for a, b in runs(sorted(set(rows))):
+    for a, b in runs(sorted(set(rows(n) if at is None else at))):
         with recording(layers, n, list(range(a, b)), first=a) as rec:
             extend(lm, kv[:, :, :a] if a else None, tokens[a:b])
         weights += rec.weights
     return weights
 
 
-def weighed_prefill(lm: LoadedModel, tokens: list[int], chunk_tokens: int, **kw):
-    """models.prefill(lm, tokens, **kw) and the context's weights [L, T] by the probe rows of
-    `chunk_tokens`-token chunks (rate_probe.probe_rows), recorded during it: (logits, kv, weights)."""
-    with recording(lm.model.config.num_hidden_layers, len(tokens), probe_rows(len(tokens), chunk_tokens)) as rec:
+def rows(n_tok: int) -> list[int]:
+    """The query rows a context of n_tok tokens is weighed by (codec.token_steps.PROBE_EVERY)."""
+    return probe_rows(n_tok, PROBE_EVERY)
+
+
+def weighed_prefill(lm: LoadedModel, tokens: list[int], **kw):
+    """models.prefill(lm, tokens, **kw) and the context's weights [L, T] by its rows(),
+    recorded during it: (logits, kv, weights)."""
+    with recording(lm.model.config.num_hidden_layers, len(tokens), rows(len(tokens))) as rec:
         logits, kv = prefill(lm, tokens, **kw)
     return logits, kv, rec.weights

@@ -142,3 +142,15 @@ def test_a_damaged_class_section_or_block_is_refused_by_name(stepped):
     # classes that do not say the blocks the streams hold (one class for every token)
     with pytest.raises(CodecError, match="class blocks"):
         codec.decode(_with_classes_section(data, zlib.compress(bytes(L * 40))), stepped)
+
+
+def test_warming_a_level_builds_each_token_classs_tables(stepped):
+    from codec import decoder
+    prof = codec.Profile(dict(stepped.meta), dict(stepped.tensors))  # nothing built yet
+    decoder.Decoder(prof).warm("fast")
+    steps = codec.LEVELS["fast"].steps(prof)
+    built = {(k[1], k[2], k[3]) for k in prof._models if k[0] == "rans"}
+    want = {(l, kv, token_steps.class_step(float(steps[l, kv]), c))
+            for l in range(prof.layers) for kv in range(2) for c in (0, 2, 4)}
+    assert want <= built
+    assert token_steps.rule_classes("max", prof) == [0] and token_steps.rule_classes("fast", prof) == [0, 2, 4]

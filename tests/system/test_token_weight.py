@@ -40,13 +40,14 @@ def _eager_weights(lm, ids: list[int], rows: list[int]) -> np.ndarray:
 
 
 def test_the_weights_recorded_in_the_prefill_are_the_models_own_attention(model):
-    ids = corpus.windows(model.tokenizer, "test", 1, 700)[0]  # past Gemma's 512-token window
-    rows = rate_probe.probe_rows(len(ids), CHUNK)
-    _, kv, recorded = token_weight.weighed_prefill(model, ids, CHUNK, all_logits=False)
+    ids = corpus.windows(model.tokenizer, "test", 1, 1300)[0]  # past a probe boundary and Gemma's 512-token window
+    rows = token_weight.rows(len(ids))
+    assert rows == rate_probe.probe_rows(len(ids), token_steps.PROBE_EVERY)
+    _, kv, recorded = token_weight.weighed_prefill(model, ids, all_logits=False)
     want = _eager_weights(model, ids, rows)
     assert recorded.shape == (model.num_layers, len(ids))
     assert np.allclose(recorded, want, rtol=1e-3, atol=1e-4)
-    assert np.allclose(token_weight.measure(model, ids, kv, rows), want, rtol=1e-3, atol=1e-4)
+    assert np.allclose(token_weight.measure(model, ids, kv), want, rtol=1e-3, atol=1e-4)
     # what the probes read: in most layers the sink far above the mean, most tokens below it
     assert (recorded[:, 0] > 5 * recorded.mean(1)).mean() > 0.5
     assert np.median(recorded / recorded.mean(1, keepdims=True)) < 0.5
@@ -59,7 +60,7 @@ async def test_a_put_of_a_profile_with_token_steps_codes_each_token_at_its_probe
     monkeypatch.setattr(put_mod, "_profile", lambda model_id: stepped)  # as if calibrated so and found first
     (d,) = await inprocess(["a"], profile=stepped)
     ids = corpus.windows(lm.tokenizer, "test", 1, 600, kind="legal")[0]
-    _, _, weights = token_weight.weighed_prefill(lm, ids, CHUNK, all_logits=False)
+    _, _, weights = token_weight.weighed_prefill(lm, ids, all_logits=False)
     want = token_steps.classes(weights, stepped)
     async with client(d) as c:
         from kvstreamd.client import Client
