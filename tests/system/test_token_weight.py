@@ -48,8 +48,10 @@ def test_the_weights_recorded_in_the_prefill_are_the_models_own_attention(model)
     assert recorded.shape == (model.num_layers, len(ids))
     assert np.allclose(recorded, want, rtol=1e-3, atol=1e-4)
     assert np.allclose(token_weight.measure(model, ids, kv), want, rtol=1e-3, atol=1e-4)
-    # what the probes read: in most layers the sink far above the mean, most tokens below it
-    assert (recorded[:, 0] > 5 * recorded.mean(1)).mean() > 0.5
+    # what the probes read: in most layers that still see it the sink far above the mean (Gemma's
+    # sliding layers do not: the probes lie past their window), most tokens below it
+    full = [i for i, w in enumerate(model.layout.windows) if w is None]
+    assert (recorded[full, 0] > 5 * recorded[full].mean(1)).mean() > 0.5
     assert np.median(recorded / recorded.mean(1, keepdims=True)) < 0.5
 
 
@@ -70,7 +72,7 @@ async def test_a_put_of_a_profile_with_token_steps_codes_each_token_at_its_probe
             h = bs.unpack(d.store.get(bytes.fromhex(key)).levels["balanced"])
             s = i * CHUNK + h.sink_tokens
             assert np.array_equal(h.token_classes, want[:, s:i * CHUNK + h.tokens])
-        assert len(np.unique(want)) > 3  # the classes spread: most tokens go coarser than the stream's step
+        assert set(np.unique(want)) == {0, 2, 4}  # the classes spread over all the rule gives (1x, 2x, 4x)
         got = await c.fetch(lm.model_id, ids, levels=["balanced"])
         async with got as f:
             await f.wait()
