@@ -55,8 +55,9 @@ def power(profile: Profile) -> float | None:
 
 
 def top(profile: Profile) -> float:
-    """The coarsest multiplier the profile's rule gives (meta "token_steps" "top")."""
-    return float((profile.meta.get("token_steps") or {}).get("top", DEFAULT_TOP))
+    """The coarsest multiplier the profile's rule gives (meta "token_steps" "top", within what
+    the bitstream takes)."""
+    return min(float((profile.meta.get("token_steps") or {}).get("top", DEFAULT_TOP)), 2.0 ** (TOP_CLASS / 2))
 
 
 def applies(level: str | Level, profile: Profile) -> bool:
@@ -70,7 +71,7 @@ def rule_classes(level: str | Level, profile: Profile) -> list[int]:
     the steps whose entropy tables a decoder builds ahead of the chunks (Decoder.warm)."""
     if not applies(level, profile):
         return [0]
-    return list(range(0, int(2 * np.log2(min(top(profile), 2.0 ** (TOP_CLASS / 2)))) + 1, 2))
+    return list(range(0, int(2 * np.log2(top(profile))) + 1, 2))
 
 
 def classes(weights: np.ndarray, profile: Profile) -> np.ndarray:
@@ -82,8 +83,14 @@ def classes(weights: np.ndarray, profile: Profile) -> np.ndarray:
     w = np.maximum(np.asarray(weights, np.float64), MIN_WEIGHT)
     if w.ndim != 2 or w.shape[0] != profile.layers or not np.all(np.isfinite(w)):
         raise CodecError(f"token weights must be finite [{profile.layers}, tokens], got {w.shape}")
-    m = np.clip((w / w.mean(1, keepdims=True)) ** -p, 1.0, min(top(profile), 2.0 ** (TOP_CLASS / 2)))
+    m = np.clip((w / w.mean(1, keepdims=True)) ** -p, 1.0, top(profile))
     return np.clip(2 * np.round(np.log2(m)), 0, TOP_CLASS).astype(np.uint8)
+
+
+def classes_for(weights: np.ndarray | None, profile: Profile) -> np.ndarray | None:
+    """classes(weights, profile) where the profile takes per-token steps and there are weights,
+    else None (every token at its stream's step)."""
+    return None if weights is None or power(profile) is None else classes(weights, profile)
 
 
 def multipliers(token_classes: np.ndarray) -> np.ndarray:

@@ -44,8 +44,7 @@ class _Ours:
 
     def for_case(self, costs: list, weights) -> None:
         self.scales = rate.scales(self.level, self.profile, costs) if self.per_chunk else [None] * len(costs)
-        takes = token_steps.power(self.profile) is not None
-        self.classes = token_steps.classes(weights, self.profile) if takes else None
+        self.classes = token_steps.classes_for(weights, self.profile)
 
     def chunk_classes(self, start: int, tokens: int):
         return None if self.classes is None else self.classes[:, start:start + tokens]

@@ -66,9 +66,7 @@ class Case(NamedTuple):
 
     def classes(self, profile) -> np.ndarray | None:
         """Its tokens' step classes with `profile` (codec.token_steps), None where it takes none."""
-        if self.weights is None or token_steps.power(profile) is None:
-            return None
-        return token_steps.classes(self.weights, profile)
+        return token_steps.classes_for(self.weights, profile)
 
 
 def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = CHUNK_TOKENS,
@@ -422,10 +420,11 @@ def level_costs(lm, profile, cases: dict[str, list], costs: dict[str, list] | No
         kl, dppl = {}, []
         for kind, kind_cases in cases.items():
             kls = []
-            for i, (kv, cont, ref, *_) in enumerate(kind_cases):
+            for i, case in enumerate(kind_cases):
+                kv, cont, ref = case.kv, case.cont, case.ref
                 dec, _ = chunked_roundtrip(kv, name, profile,
                                            scales=rate.scales(name, profile, costs[kind][i]) if costs else None,
-                                           token_classes=kind_cases[i].classes(profile))
+                                           token_classes=case.classes(profile))
                 logits = models.continuation_logits(lm, dec, cont)
                 kls.append(quality.kl(ref, logits))
                 target = torch.tensor(cont[1:])

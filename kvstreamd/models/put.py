@@ -6,7 +6,6 @@ one way to put; the vLLM connector, which has no model forward of its own to pro
 without either (each chunk at its level's one scale, every token at its stream's step)."""
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -35,11 +34,11 @@ def put_context(lm: LoadedModel, client: Client, tokens: list[int], kv: torch.Te
     rows = probe_rows(len(tokens), chunk_tokens) if probing else None
     exact = weights = None
     if kv is None:  # the prefill keeps the logits the probes compare with (a forward fewer for each), and weighs the tokens
-        weigh = token_weight.recording(profile.layers, len(tokens), token_weight.rows(len(tokens))) if weighing else None
-        with weigh or contextlib.nullcontext() as rec:
+        if weighing:
+            logits, kv, weights = token_weight.weighed_prefill(lm, tokens, all_logits=False, logits_at=rows)
+        else:
             logits, kv = prefill(lm, tokens, all_logits=False, logits_at=rows)
         exact = logits if probing else None
-        weights = rec.weights if weighing else None
     t1 = time.perf_counter()
     kv = kv.to(dtype)
     costs = classes = None

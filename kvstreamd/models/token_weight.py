@@ -59,8 +59,8 @@ class Recorder:
                 allowed &= qpos - kpos[None] < window
             probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
             acc += (probs.double() ** 2).sum((0, 1))
-        valid = kpos >= 0
-        np.add.at(self.weights[layer], kpos[valid].numpy(), acc[valid].numpy())
+        lo = max(0, -int(kpos[0]))  # key rows before the context (none in a prefill)
+        self.weights[layer, int(kpos[lo]):int(kpos[-1]) + 1] += acc[lo:].numpy()
 
 
 @contextlib.contextmanager

@@ -56,10 +56,13 @@ def test_the_weights_recorded_in_the_prefill_are_the_models_own_attention(model)
 
 
 async def test_a_put_of_a_profile_with_token_steps_codes_each_token_at_its_probes_class(lm, inprocess, monkeypatch,
-                                                                                      tmp_path):
+                                                                                      request):
     shipped = registry.for_model(lm.model_id)
     stepped = codec.Profile(dict(shipped.meta, token_steps={"power": 0.25}), dict(shipped.tensors))
     monkeypatch.setattr(put_mod, "_profile", lambda model_id: stepped)  # as if calibrated so and found first
+    # the daemon registers the profile it is given, which would then code this model in the
+    # tests after this one: the shipped one is registered again, last, when it ends
+    request.addfinalizer(lambda: registry.register(shipped))
     (d,) = await inprocess(["a"], profile=stepped)
     ids = corpus.windows(lm.tokenizer, "test", 1, 600, kind="legal")[0]
     _, _, weights = token_weight.weighed_prefill(lm, ids, all_logits=False)
