@@ -27,7 +27,7 @@ import torch
 
 from codec.layout import Layout, PrefixKV
 
-from . import attention, registry, weights
+from . import attention, packed_linear, registry, weights
 from .spec import ModelSpec
 from .tokenizer import Tokenizer
 
@@ -112,6 +112,7 @@ def load(model: str | Path | None = None, cache_dir: str | Path | None = None) -
     attention.register()
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
     lm.eval()
+    packed_linear.pack(lm)
     cfg = lm.config
     special = _special_tokens(folder, cfg)
     tokenizer = Tokenizer.from_file(folder / "tokenizer.json", eos=special.get("eos"), bos=special.get("bos"))

@@ -21,6 +21,15 @@ NAME = "kvstreamd_sdpa"
 # 0.09-0.12 s for blocks of 19-128 tokens and nothing at 256, and a 2048-token block (a prefill's
 # second) ran 0.2-1.0 s slower packed.
 PACK_MAX_QUERIES = 128
+# A packed block of at most PRODUCTS_MAX_ROWS rows over at least PRODUCTS_MIN_KEYS cached tokens,
+# with fewer KV heads than the process has threads, is computed as two matrix products and a
+# softmax (_products), which MKL spreads over every core: torch's CPU flash attention splits its
+# work by KV head and query block, and the question's 68 packed rows on Gemma-3-270M's one KV head
+# are one piece of it. Two cores: 14.0 against 19.1 ms a layer over 16384 tokens, 0.69 against
+# 0.86 ms over 1024; SmolLM2's three KV heads keep every core busy in sdpa, which stays 1.3-2.3x
+# faster there, as it is for Gemma's 512 rows of a 128-token block (docs/benchmarks.md).
+PRODUCTS_MIN_KEYS = 1024
+PRODUCTS_MAX_ROWS = 128
 # What else sees each call's queries and keys, while it is set: (module, query, key, scaling,
 # softcap) -> None (token_weight.recording). None: nothing does.
 OBSERVER: contextvars.ContextVar = contextvars.ContextVar("kvstreamd_attention_observer", default=None)
@@ -47,9 +56,26 @@ def sdpa_packed(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     # query head h reads KV head h // groups: rows [kv head, group member, token]
     packed = query.reshape(b, heads // groups, groups * q, d)
     mask = attention_mask[:, :, :, : key.shape[2]].repeat(1, 1, groups, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask,
-                                                           dropout_p=dropout, scale=scaling)
+    if (key.shape[2] >= PRODUCTS_MIN_KEYS and packed.shape[2] <= PRODUCTS_MAX_ROWS and key.device.type == "cpu"
+            and b * key.shape[1] < torch.get_num_threads() and not dropout):
+        out = _products(packed, key, value, mask, d ** -0.5 if scaling is None else scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask,
+                                                               dropout_p=dropout, scale=scaling)
     return out.reshape(b, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _products(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v as two matrix products and a softmax: for a few rows
+    over a long cache, what torch's CPU flash attention runs on one core per KV head. A row
+    that sees no key at all gives zeros, as sdpa's does."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale)
+    if mask.dtype == torch.bool:
+        scores.masked_fill_(~mask, float("-inf"))
+    else:
+        scores.add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1).nan_to_num_(0.0), value)
 
 
 def register() -> str:
