@@ -6,10 +6,10 @@ Measured on this machine's two cores (fp32, weights read cold, scratch over 60 l
 Gemma-3-270M's MLP projections for 17 rows 19 against 53 ms (640 -> 2048) and 18 against 38 ms
 (2048 -> 640), one row 13 against 27 ms; its tied 262144 x 640 output head (671 MB) for one row
 22-24 against 55 ms, where MKL's one-row GEMV runs on one core. The question after a 16K-token
-context ran 0.146 against 0.201 s with this and attention.py's products together. Longer blocks
-(a prefill's, a TEXT chunk's) go as before, so a context's KV is computed as it always was. The
-sums are the same products in another order: within 1e-4 of `F.linear`
-(tests/models/test_packed_linear.py). The packed copy is memory of its own (the size of the
+Gemma-3 context ran 0.132 against 0.217 s with this and attention.py's products together
+(docs/benchmarks.md "The question on a CPU"). Longer blocks (a prefill's steps, a TEXT chunk)
+go as before, so a context's KV is computed as it always was. The sums are the same products in
+another order: within 1e-5 of `F.linear` (tests/models/test_packed_linear.py). The packed copy is memory of its own (the size of the
 weights it packs), taken only by a process that runs such blocks."""
 from __future__ import annotations
 
