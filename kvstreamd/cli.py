@@ -70,9 +70,10 @@ def _profile_retune(args: argparse.Namespace) -> int:
 
 
 def _model_folder(args: argparse.Namespace) -> int:
+    from .limits import MODEL_META
     from .models.engine_folder import engine_folder
     out = engine_folder(args.model, args.out)
-    print(f"{out}: serve it with vLLM; its contexts are filed under {(out / 'kvstreamd.json').read_text()}")
+    print(f"{out}: serve it with vLLM; its contexts are filed under {(out / MODEL_META).read_text()}")
     return 0
 
 

@@ -64,6 +64,7 @@ from kvstreamd.config_values import (  # the parsers, and the names callers impo
     parse_size,
 )
 from .experiment import Experiment
+from .limits import MAX_DEADLINE_MS
 
 # parse_size, format_size and _UNITS are imported above for config's callers too (config.parse_size)
 
@@ -199,7 +200,7 @@ class PrefetchConfig:
     window_s: float = _key(300.0, parse=_float(gt=0), reload=True)
     memory_share: float = _key(0.25, parse=_share, reload=True)
     max_contexts: int = _key(256, parse=_int(1, 1_000_000))
-    deadline_ms: int = _key(30_000, parse=_int(1, 3_600_000), reload=True)
+    deadline_ms: int = _key(30_000, parse=_int(1, MAX_DEADLINE_MS), reload=True)
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class CodecConfig:
 
 @dataclass(frozen=True)
 class FetchConfig:
-    deadline_ms: int = _key(2000, parse=_int(1, 3_600_000), reload=True)  # at most an hour, as the API
+    deadline_ms: int = _key(2000, parse=_int(1, MAX_DEADLINE_MS), reload=True)
     recompute_tokens_per_s: float = _key(250.0, parse=_float(gt=0), reload=True)
     stall_s: float = _key(2.0, parse=_float(gt=0), reload=True)
 

@@ -31,7 +31,7 @@ ROOMS = {
     "models": {BASE, "client", "models"},
     "lab": {BASE, "client", "store", "handoff", "cluster", "ops", "models", "lab"},
     "bench": {BASE, "client", "store", "handoff", "cluster", "ops", "models", "lab", "bench"},
-    "engines": {"client"},
+    "engines": {BASE, "client"},
 }
 # The modules that import the serving engine: the connector, and the harness's driver script that
 # vLLM's own environment runs (lab/vllm_engine.py starts it as a process). The daemon and the rest

@@ -7,6 +7,9 @@ import os
 import time
 from pathlib import Path
 
+from ..limits import MAX_DEADLINE_MS
+
+
 def write_json(report: dict, json_path: str | None) -> None:
     """A benchmark's report as JSON at `json_path` (its folder made), when one is given."""
     if json_path:
@@ -38,7 +41,7 @@ def profile_keys(model_id: str, profile_path: str | Path | None) -> dict:
     return {"profile": str(Path(profile_path).absolute())}
 
 
-DEADLINE_MS = 3_600_000  # a timed fetch takes exactly the level asked, however long it takes
+DEADLINE_MS = MAX_DEADLINE_MS  # a timed fetch takes exactly the level asked, however long it takes
 
 
 def timed_fetch(d, model_id: str, tokens: list[int], level: str) -> dict:

@@ -28,6 +28,7 @@ import torch
 from codec.levels import LADDER
 
 from .. import models
+from ..limits import MAX_DEADLINE_MS
 from ..lab import corpus, netns, quality
 from ..lab.daemons import DaemonProcess, wait_for
 from ..models.prefix import generate
@@ -40,7 +41,7 @@ FETCH_LEVELS = {"fp16": ["fp16"], "int8": ["int8"], "kvstreamd": [*LADDER, "int8
 BASELINES = ("fp16", "int8")
 # The fixed-level baselines move the whole context whatever it takes: their fetch gets a deadline
 # no transfer here reaches (a fetch gives up on chunks not there by its deadline plus grace).
-BASELINE_DEADLINE_MS = 3_600_000
+BASELINE_DEADLINE_MS = MAX_DEADLINE_MS
 STORED_LEVELS = ["high", "balanced", "fast", "int8", "fp16"]
 # Chunks of 256 tokens: the unit a plan splits a context at, so the finer the chunks, the nearer
 # the head computed here (TEXT) and the tail streamed meet at the point where both take as long

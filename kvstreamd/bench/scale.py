@@ -51,6 +51,7 @@ from codec import profile as profiles, rope
 
 from .. import client as client_mod
 from ..lab.daemons import DaemonProcess, wait_for
+from ..limits import MAX_DEADLINE_MS
 from ..store.keys import chunk_bounds
 from .gpu import ROPE_THETA, SOURCE_PROFILE, SyntheticKV
 from . import write_json
@@ -61,7 +62,7 @@ DEFAULT_TOKENS = {"small": [8192, 32768, 102400], "llama8b": [8192, 32768]}
 OTHER_TOKENS = [8192, 32768]  # a shape of the command line's own naming
 SLACK = int(1.5 * GiB)  # the floors' allowance over the buffer (receiver) or store (sender)
 PER_TOKEN_RATIO = 1.3
-DEADLINE_MS = 3_600_000  # the fetch moves the whole context at the one level, however long it takes
+DEADLINE_MS = MAX_DEADLINE_MS  # the fetch moves the whole context at the one level, however long it takes
 SAMPLE_S = 0.1
 POOL_BYTES = 256 * 2**20  # distinct chunks kept: up to this many bytes of fp16 ...
 POOL_CHUNKS = (2, 8)  # ... and between these many chunks

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .. import models
+from ..limits import speedup_deadline_ms
 from ..lab import corpus
 from ..lab.daemons import DaemonProcess, wait_for
 from ..lab.vllm_engine import NEW_TOKENS, Engine, connector_config
@@ -219,9 +220,9 @@ def run(tokens: int = 4096, bandwidth_mbit: float = 100.0, runs: int = 3, chunk_
         row["tokens_match"] = row["eight"]["tokens"] == ref["eight"]["tokens"]
     report = {"model": lm.model_id, "ttft_floor": speedup, "shaped": h.shaped, "bandwidth_mbit": bandwidth_mbit, "tokens": tokens,
               "chunk_tokens": chunk_tokens, "speedup": speedup,
-              # the kvstreamd fetches' deadline (the connector's ConnectorOptions.deadline_for, which
-              # this room may not import): their prefix's prefill time on b's vLLM over `speedup`
-              "deadline_ms": round(1000 * (tokens - tokens % chunk_tokens) / prefill_tps / speedup),
+              # the kvstreamd fetches' deadline, as the connector sets it from `speedup`: their
+              # prefix's prefill time on b's vLLM over `speedup`
+              "deadline_ms": speedup_deadline_ms(tokens - tokens % chunk_tokens, prefill_tps, speedup),
               "vllm_prefill_tokens_per_s": prefill_tps,
               "generate": NEW_TOKENS, "results": summarise(list(rows.values())), "runs": list(rows.values()),
               "needed_fp16_bytes": needed_fp16_bytes(lm, tokens, chunk_tokens), "miss": miss,

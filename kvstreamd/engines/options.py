@@ -6,11 +6,11 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..limits import MODEL_META, speedup_deadline_ms
+
 # A lookup that takes longer than this is a miss: the request is computed as if there were no
 # connector. A lookup on the local socket takes about a millisecond.
 LOOKUP_TIMEOUT_MS = 200
-MAX_DEADLINE_MS = 3_600_000  # the daemon's bound on a fetch's deadline ([fetch] deadline_ms)
-MODEL_META = "kvstreamd.json"  # in a model folder made by `kvstreamd model-folder`: its model id
 
 
 class OptionsError(ValueError):
@@ -58,7 +58,7 @@ class ConnectorOptions:
         """A fetch's deadline, ms, for a prefix of `tokens` tokens (None: the daemon's)."""
         if self.speedup is None:
             return self.deadline_ms
-        return min(max(1, round(1000 * tokens / self.recompute_tokens_per_s / self.speedup)), MAX_DEADLINE_MS)
+        return speedup_deadline_ms(tokens, self.recompute_tokens_per_s, self.speedup)
 
 
 def _check(key: str, value):

@@ -1,18 +1,18 @@
 """A model folder a serving engine (vLLM) loads, for the same weights kvstreamd's HF side uses,
 so that both file their contexts under one model id: the plain copy's weights and tokenizer
 (linked, not copied), its config with the `architectures` an engine needs, a
-tokenizer_config.json, and kvstreamd.json naming the model id (engines/options.py reads it)."""
+tokenizer_config.json, and kvstreamd.json (kvstreamd.limits.MODEL_META) naming the model id
+(engines/options.py reads it)."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
 
+from ..limits import MODEL_META
 from . import weights
 from .adapter import model_id, plain_folder
 from .registry import resolve
-
-MODEL_META = "kvstreamd.json"  # engines.options.MODEL_META: the folder's model id
 
 
 def engine_folder(model: str | Path | None, out: str | Path, cache_dir: str | Path | None = None) -> Path:

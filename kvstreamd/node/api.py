@@ -75,13 +75,13 @@ from kvstreamd.metrics import new_request_id
 from kvstreamd.routes import BY_NAME, ROUTES
 from kvstreamd.node.errors import RequestError
 from kvstreamd.handoff.shm import DTYPES
+from kvstreamd.limits import MAX_DEADLINE_MS  # also a bound on request fields
 
-log = logging.getLogger("kvstreamd.api")
+log = logging.getLogger(__name__)
 
 MAX_BODY = 64 * 2**20  # token lists of 100K+ tokens as JSON stay far below this
 # Bounds on request fields, checked at the door so that nothing out of range reaches the node.
 MAX_TOKENS = 2**20          # tokens in one request (a context a model can hold, and more)
-MAX_DEADLINE_MS = 3_600_000  # an hour
 MAX_RECOMPUTE_TPS = 10**9   # tokens a second a model prefills
 MAX_DOUBLING_TOKENS = 10**9  # where a token's prefill costs twice its cost at the start of a prompt
 MAX_NAME = 512              # characters of a model id
