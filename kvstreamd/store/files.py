@@ -21,7 +21,7 @@ from pathlib import Path
 from kvstreamd.store import chunkfile
 from kvstreamd.store.chunkfile import ChunkFileError, ChunkRecord, Header
 
-log = logging.getLogger("kvstreamd.store")
+log = logging.getLogger(__name__)
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"

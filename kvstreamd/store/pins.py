@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 from kvstreamd.store.files import fsync_dir
 from kvstreamd.store.keys import KEY_BYTES
 
-log = logging.getLogger("kvstreamd.pins")
+log = logging.getLogger(__name__)
 FILE_VERSION = 1
 
 
