@@ -17,7 +17,7 @@ from codec.errors import CodecError
 from codec.parallel import CodecPool, WorkerLost
 from codec.profile import Profile
 
-log = logging.getLogger("kvstreamd.coder")
+log = logging.getLogger(__name__)
 
 # What one core decodes at the entropy-coded levels (codec.catalog): a prior for the first
 # FETCH, replaced by what this host measures.

@@ -20,7 +20,7 @@ from typing import Callable
 __all__ = ["PeerTLS", "TLSFileError", "contexts", "server_context", "client_context", "describe",
            "TLSListener", "TLS_FAILED", "lost_reason"]
 
-log = logging.getLogger("kvstreamd.transport")
+log = logging.getLogger(__name__)
 
 TLS_FAILED = "tls_failed"  # local only, never sent: the TLS layer refused the peer or failed
 

@@ -24,7 +24,7 @@ from codec import catalog
 from transport import aio
 from transport.messages import Advertise, Message, Withdraw
 
-log = logging.getLogger("kvstreamd.peers")
+log = logging.getLogger(__name__)
 
 ADVERTISE_BATCH = 20_000  # keys per ADVERTISE frame (32 B each: well under max_frame_bytes)
 

@@ -23,7 +23,7 @@ from kvstreamd.cluster.directory import Directory
 from kvstreamd.metrics import Metrics
 from kvstreamd.store.store import Store
 
-log = logging.getLogger("kvstreamd.peers")
+log = logging.getLogger(__name__)
 
 @dataclass
 class PeerState:

@@ -50,7 +50,7 @@ from kvstreamd.cluster.directory import Directory, Held, Holders
 from kvstreamd.metrics import Metrics
 from transport.messages import KEY_BYTES, check_node_id
 
-log = logging.getLogger("kvstreamd.directory")
+log = logging.getLogger(__name__)
 
 # A lookup reads at most HOLDERS_READ members of one chunk set: past that (no real chunk has so
 # many holders; a fetch uses 4), the holders its levels hash names, where it names at most

@@ -27,7 +27,7 @@ from transport.send import send_chunks
 from kvstreamd.metrics import Metrics, new_request_id
 from kvstreamd.store.store import Store
 
-log = logging.getLogger("kvstreamd.peers")
+log = logging.getLogger(__name__)
 
 
 def nearest_held(recs, levels: list[str]) -> Callable[[int, str], str]:

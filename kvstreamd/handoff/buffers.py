@@ -14,7 +14,7 @@ import torch
 
 from kvstreamd.handoff.shm import DTYPES, SHM_DIR, Segment, ShmError
 
-log = logging.getLogger("kvstreamd.buffers")
+log = logging.getLogger(__name__)
 
 
 def nbytes_of(shape, dtype: str) -> int:

@@ -43,7 +43,7 @@ from kvstreamd.ops.outcomes import OutcomeLog
 from kvstreamd.ops.preload_child import PreloadChild
 from kvstreamd.store.store import Store
 
-log = logging.getLogger("kvstreamd.daemon")
+log = logging.getLogger(__name__)
 
 
 class StartupError(Exception):

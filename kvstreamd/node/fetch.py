@@ -54,7 +54,7 @@ from kvstreamd.store.keys import chunk_bounds, chunk_keys, chunk_ranges, prefix_
 from kvstreamd.cluster.shares import Shares, level_tier, needed_level
 from kvstreamd.store.store import Store
 
-log = logging.getLogger("kvstreamd.pipeline")
+log = logging.getLogger(__name__)
 
 QUEUE_DEPTH = 2  # chunks between stages: enough to overlap, little enough to bound memory
 DECODE_DEPTH = 2  # chunks decoding at once

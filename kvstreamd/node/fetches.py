@@ -32,7 +32,7 @@ from kvstreamd.node.options import FetchOptions
 from kvstreamd.store.chunkfile import ChunkRecord
 from kvstreamd.store.store import Store, StoreError
 
-log = logging.getLogger("kvstreamd.node")
+log = logging.getLogger(__name__)
 
 EVENT_QUEUE = 2  # events between a fetch and its client: a slow reader slows the fill stage
 

@@ -11,7 +11,7 @@ from kvstreamd.handoff.buffers import FetchBuffer, HostBuffer
 from kvstreamd.handoff.spares import SpareBuffers
 from kvstreamd.metrics import Metrics
 
-log = logging.getLogger("kvstreamd.node")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 from kvstreamd.config import Config
 from kvstreamd.features import Feature
 
-log = logging.getLogger("kvstreamd.certificates")
+log = logging.getLogger(__name__)
 
 EXPIRES_SOON_DAYS = 14  # the log warns and the alert fires this long before a certificate ends
 _DAY = 86400.0

@@ -4,7 +4,7 @@ a hold of HELD_S or more is logged once the loop runs again, with where the loop
 the hold passed HELD_S (a watcher thread takes its stack then). Every tick's lateness goes into
 kvstreamd_event_loop_lag_seconds; /v1/status says the holds since start under "event_loop".
 
-    ts=... level=warning logger=kvstreamd.loop msg="event loop held 0.84 s; at 0.25 s it was in:
+    ts=... level=warning logger=kvstreamd.ops.loop_watch msg="event loop held 0.84 s; at 0.25 s it was in:
         kvstreamd/node/puts.py:171 _put <- kvstreamd/store/store.py:262 put_to <- ..."
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import traceback
 
 from kvstreamd.features import Feature
 
-log = logging.getLogger("kvstreamd.loop")
+log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # how often the loop is asked to run a tick
 HELD_S = 0.25  # a tick this late is a hold: logged, with where the loop was (lookups of vLLM's connector wait 0.2 s)

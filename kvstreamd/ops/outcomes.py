@@ -16,7 +16,7 @@ from pathlib import Path
 from kvstreamd.config import Config
 from kvstreamd.features import Feature, FetchEnded
 
-log = logging.getLogger("kvstreamd.fetch_outcomes")
+log = logging.getLogger(__name__)
 
 FILE_NAME = "ab-fetches.jsonl"
 # In memory, and what a restart reads back. The file takes MAX_RECORDS lines (~200 bytes each)

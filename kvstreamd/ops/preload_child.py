@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvstreamd.features import Feature
 
-log = logging.getLogger("kvstreamd.preload")
+log = logging.getLogger(__name__)
 
 KEPT_ERRORS = 20  # errors status keeps (the log has them all)
 STOP_WAIT_S = 5.0  # how long a stopping daemon gives the child after SIGTERM

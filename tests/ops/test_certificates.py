@@ -38,7 +38,7 @@ async def test_an_expired_certificate_is_said_at_start_up_in_healthz_status_doct
                                                                                                  caplog):
     caplog.set_level(logging.INFO)
     (a,) = await inprocess(["a"], peer=tls_section(pki["expired"]))
-    said = [r for r in caplog.records if r.name == "kvstreamd.certificates"]
+    said = [r for r in caplog.records if r.name == "kvstreamd.ops.certificates"]
     errors = [r.getMessage() for r in said if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "[peer] tls_cert" in errors[0] and "expired on" in errors[0], errors
     async with client(a) as ca:
@@ -76,7 +76,7 @@ async def test_a_certificate_ending_within_the_warning_days_warns_but_is_not_deg
     caplog.set_level(logging.INFO)
     (a,) = await inprocess(["a"], peer=tls_section(pki["soon"]))
     warned = [r.getMessage() for r in caplog.records
-              if r.name == "kvstreamd.certificates" and r.levelno == logging.WARNING]
+              if r.name == "kvstreamd.ops.certificates" and r.levelno == logging.WARNING]
     assert len(warned) == 1 and "expires on" in warned[0] and "in 5.0 days" in warned[0], warned
     async with client(a) as ca:
         assert (await ca.health())["status"] == "ok"

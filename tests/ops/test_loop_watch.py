@@ -32,12 +32,12 @@ async def test_a_held_loop_is_logged_with_where_it_was_held_and_counted(caplog):
     await watch.start()
     try:
         await asyncio.sleep(0.2)
-        with caplog.at_level(logging.WARNING, logger="kvstreamd.loop"):
+        with caplog.at_level(logging.WARNING, logger="kvstreamd.ops.loop_watch"):
             hold_the_loop_with_a_synchronous_sleep(3 * HELD_S)
             await asyncio.sleep(0.2)  # the next tick says it
     finally:
         await watch.stop()
-    said = [r.getMessage() for r in caplog.records if r.name == "kvstreamd.loop"]
+    said = [r.getMessage() for r in caplog.records if r.name == "kvstreamd.ops.loop_watch"]
     assert len(said) == 1, said
     assert said[0].startswith("event loop held 0.") and "hold_the_loop_with_a_synchronous_sleep" in said[0]
     assert "test_loop_watch.py:" in said[0]  # file:line of each frame
@@ -52,10 +52,10 @@ async def test_a_loop_that_is_never_held_says_nothing_and_ticks(caplog):
     watch = LoopWatch(metrics)
     await watch.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="kvstreamd.loop"):
+        with caplog.at_level(logging.WARNING, logger="kvstreamd.ops.loop_watch"):
             for _ in range(20):
                 await asyncio.sleep(0.02)
     finally:
         await watch.stop()
-    assert not [r for r in caplog.records if r.name == "kvstreamd.loop"]
+    assert not [r for r in caplog.records if r.name == "kvstreamd.ops.loop_watch"]
     assert watch.status()["holds"] == 0 and lag_samples(metrics, 0.0) >= 4
