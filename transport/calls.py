@@ -8,6 +8,7 @@ import zlib
 from typing import Any, Awaitable, Callable, Protocol
 
 from .messages import Ack, Chunk, End, Error, Fetch, Message, Text
+from .stall import FINE, STALLED, StallClock
 
 __all__ = ["TransportError", "HandshakeError", "ConnectionClosedError", "FetchError", "FetchFailed",
            "FetchCancelled", "FetchInterrupted", "FetchStalled", "FetchTimedOut", "FetchCall", "ServedFetch",
@@ -30,10 +31,6 @@ def wait_s(deadline_ms: float, recompute_s: float) -> float:
     until then -- chunks arriving sooner than they could be recomputed are still worth taking,
     and past that no chunk is (the senders plan TEXT themselves where the link is slower)."""
     return max(deadline_ms / 1000, recompute_s)
-
-# The codes of the two endings this side gives a fetch itself (it also sends CANCEL for both).
-STALLED = "stalled"
-TIMED_OUT = "timed_out"
 
 
 class Peer(Protocol):
@@ -88,20 +85,9 @@ class FetchInterrupted(FetchError, ConnectionClosedError):
     """The connection closed before the request's END: what arrived is not the whole context."""
 
 
-# Bytes on the connection are progress of a fetch awaiting its next chunk only at this rate or
-# more over stall_s (as curl's --speed-limit over --speed-time): a sender probing a slow link
-# before its first chunk (512 KiB at 2 Mbit/s takes 2 s) or sending a large chunk moves; a
-# peer that trickles a frame a few bytes at a time or only PINGs does not.
-MIN_PROGRESS_BYTES_PER_S = 16 * 1024
-# A wake-up later than planned by more than this (or a quarter of stall_s) means this side's
-# event loop did not run for part of the wait (a GC pass, a starved host): that wait is not
-# counted as the peer's silence, as time with reading paused is not.
-LOOP_LAG_S = 0.1
-
-
 class FetchStalled(FetchCancelled):
     """No whole chunk of this fetch came for the fetch's `stall_s` while it was awaited, nor
-    bytes at MIN_PROGRESS_BYTES_PER_S: the peer stopped, is partitioned, ignores the FETCH,
+    bytes at stall.MIN_PROGRESS_BYTES_PER_S: the peer stopped, is partitioned, ignores the FETCH,
     or only trickles bytes or chatters. The fetch was cancelled on the wire."""
 
 
@@ -123,21 +109,20 @@ class FetchCall:
     many seconds have passed since the FETCH, FetchTimedOut. Either sends CANCEL first, so
     the peer stops sending and frees what it holds for the request. Time this side spends
     not reading (its receive buffer full, or its event loop held up) never counts as the peer's
-    silence."""
+    silence. Those rules are `self.stall`'s (transport/stall.StallClock); this call feeds it
+    the loop's times and sleeps until its next_check()."""
 
     def __init__(self, peer: Peer, req: int, taken: Callable[[Chunk | Text], None], *,
                  stall_s: float | None = None, limit_s: float | None = None):
         self.peer = peer
         self.req = req
         self.end: End | None = None  # the END, once it has arrived (deadline_missed is on it)
-        self.stall_s = stall_s
         self._clock = asyncio.get_running_loop().time
-        self.until = None if limit_s is None else self._clock() + limit_s  # loop time
+        # the stall rules (transport/stall.py), in loop time: this call only feeds it and sleeps
+        self.stall = StallClock(self._clock(), stall_s=stall_s, limit_s=limit_s, received=peer.received_bytes)
         self._taken = taken  # tells the connection a chunk left its buffer
         self._items: asyncio.Queue[Chunk | Text | None] = asyncio.Queue()
         self._final: FetchError | None = None  # set once the request is over and not ok
-        self._moved = self._clock()  # loop time of the FETCH, of its latest chunk, or of bytes at a useful rate
-        self._moved_bytes = peer.received_bytes  # the connection's bytes then
 
     def __aiter__(self) -> FetchCall:
         return self
@@ -152,41 +137,27 @@ class FetchCall:
         return item
 
     async def _next(self) -> Chunk | Text | None:
-        if self.stall_s is None and self.until is None:
+        stall = self.stall
+        if not stall.limited:
             return await self._items.get()
         while self._items.empty():
             now = self._clock()
             if self.peer.reading_paused:  # our own backlog, not the peer's silence
-                self._moved = now
-            wait = []
-            if self.stall_s is not None:  # first: a stalled peer is named so even when time is up too
-                if now - self._moved >= self.stall_s and self._moving(now):
-                    self._moved, self._moved_bytes = now, self.peer.received_bytes
-                if now - self._moved >= self.stall_s:
-                    await self._give_up(FetchStalled(
-                        STALLED, f"the peer sent no whole chunk of this fetch, nor bytes at "
-                        f"{MIN_PROGRESS_BYTES_PER_S // 1024} KiB/s, for {now - self._moved:.2f} s (stall_s {self.stall_s:g})",
-                        self.req))
-                    break
-                wait.append(self._moved + self.stall_s - now)
-            if self.until is not None:
-                if now >= self.until:
-                    await self._give_up(FetchTimedOut(TIMED_OUT, "no END within the fetch's time limit", self.req))
-                    break
-                wait.append(self.until - now)
+                stall.on_paused(now)
+            stall.on_bytes(self.peer.received_bytes, now)
+            verdict = stall.verdict(now)
+            if verdict.what != FINE:
+                error = FetchStalled if verdict.what == STALLED else FetchTimedOut
+                await self._give_up(error(verdict.what, verdict.reason, self.req))
+                break
             getter = asyncio.ensure_future(self._items.get())
-            timeout = max(min(wait), 0.001)
             try:
-                await asyncio.wait({getter}, timeout=timeout)
+                await asyncio.wait({getter}, timeout=stall.next_check() - now)
             finally:
                 if not getter.done():
                     getter.cancel()  # a get cancelled as its item came leaves that item queued
                     await asyncio.wait({getter})
-            woke = self._clock()
-            if woke - (now + timeout) > max(LOOP_LAG_S, (self.stall_s or 0) / 4):
-                # this side's loop was held up (a GC pass, a starved host) for some of that wait and
-                # read nothing then: the wait does not count as the peer's silence
-                self._moved += woke - now
+            stall.on_wake(self._clock())  # a loop held up for some of that wait: not the peer's silence
             if not getter.cancelled():
                 return getter.result()
         return self._items.get_nowait()
@@ -201,14 +172,11 @@ class FetchCall:
         """Stop the fetch: sends CANCEL; this iterator raises FetchCancelled from now on."""
         await self.peer.cancel(self.req)
 
-    def _moving(self, now: float) -> bool:
-        """Bytes came on the connection since the last progress at MIN_PROGRESS_BYTES_PER_S."""
-        return self.peer.received_bytes - self._moved_bytes >= MIN_PROGRESS_BYTES_PER_S * (now - self._moved)
-
     def deliver(self, msg: Chunk | Text) -> None:
         """A chunk of this fetch arrived (checked and acknowledged by the connection)."""
-        self._moved = self._clock()
-        self._moved_bytes = self.peer.received_bytes
+        now = self._clock()
+        self.stall.on_bytes(self.peer.received_bytes, now)
+        self.stall.on_chunk(now)
         self._items.put_nowait(msg)
 
     def finish(self, end: End | None, error: FetchError | None, drop: bool = False) -> None:
