@@ -258,7 +258,7 @@ class Connection:
         if isinstance(msg, (Hello, Auth)):
             self._fail(UNEXPECTED_MESSAGE, f"{msg.TYPE} received after the handshake finished")
             return
-        if type(msg) in RULES and not (isinstance(msg, Error) and msg.req is None):
+        if requests.in_request(msg):
             self._receive_request_message(msg, size, now)
             return
         if isinstance(msg, Error):

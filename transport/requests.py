@@ -10,7 +10,7 @@ from .frames import text_wire_bytes
 from .messages import (BAD_CRC, BAD_REQUEST, INTERNAL, Ack, Cancel, Chunk, End, Error, Fetch,
                        Message, ProtocolError, Text)
 
-__all__ = ["FETCHER", "SENDER", "Rule", "RULES", "Request", "Requests", "requests_for", "DELIVER", "DROP",
+__all__ = ["FETCHER", "SENDER", "Rule", "RULES", "Request", "Requests", "in_request", "requests_for", "DELIVER", "DROP",
            "apply", "ending", "held_bytes", "ReceiveBuffer", "DEFAULT_MAX_BUFFERED_BYTES"]
 
 # The two sides of a request: the fetcher sent the FETCH; the sender answers it.
@@ -68,6 +68,12 @@ class Requests:
 
     def whose(self) -> str:
         return "this side" if self.mine else "the peer"
+
+
+def in_request(msg: Message) -> bool:
+    """`msg` belongs to a request, so RULES apply to it: a message of a type RULES lists, but an
+    ERROR without a req (the whole connection's)."""
+    return type(msg) in RULES and not (isinstance(msg, Error) and msg.req is None)
 
 
 def requests_for(msg: Message, outgoing: bool, fetching: Requests, serving: Requests) -> Requests:
