@@ -73,7 +73,7 @@ class PreloadChild(Feature):
                                         self.state, self.returncode, *self.counts.values())
 
     async def _outcomes(self, stream: asyncio.StreamReader) -> None:
-        """One JSON line per document (kvstreamd.preload.Outcome)."""
+        """One JSON line per document (kvstreamd.ops.preload.Outcome)."""
         async for line in stream:
             try:
                 o = json.loads(line)

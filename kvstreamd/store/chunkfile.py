@@ -17,7 +17,7 @@ Format version 2 (written), all integers little-endian:
     end-4    4      CRC-32 of every preceding byte, uint32
 
 The file size is exactly 18 + H + sum(payload lengths). "key" must be chunk_key(parent, model_id,
-tokens) (kvstreamd.keys), chunk 0 has no parent and every other chunk has one, and level names
+tokens) (kvstreamd.store.keys), chunk 0 has no parent and every other chunk has one, and level names
 are distinct. The header CRC lets a reader trust a header without reading the payloads.
 
 Version 1 (read, never written) is the same without the header CRC (size 14 + H + sum) and with

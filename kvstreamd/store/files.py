@@ -1,13 +1,13 @@
 """The store's directory: one chunk file per key, written crash-safe, the scan that indexes the
 files at open, and the quarantine bad files are moved to.
 
-Layout: `<dir>/chunks/<first 2 hex digits of key>/<64 hex digits of key>.kvc` (kvstreamd.chunkfile
-is the file format) and `<dir>/quarantine/`. A file is written to a temp file in its directory
-(`.<hex key>.<random>.tmp`), flushed, fsynced, renamed over the final name with os.replace, then
-the directory is fsynced, so a crash leaves either no file or a whole one (plus maybe a temp file,
-which the next scan removes). Bad files are moved to quarantine/: never served, never counted in
-budgets, left for the operator; the reason is logged at WARNING. Nothing here takes a lock: the
-store orders calls for one key.
+Layout: `<dir>/chunks/<first 2 hex digits of key>/<64 hex digits of key>.kvc`
+(kvstreamd.store.chunkfile is the file format) and `<dir>/quarantine/`. A file is written to a
+temp file in its directory (`.<hex key>.<random>.tmp`), flushed, fsynced, renamed over the final
+name with os.replace, then the directory is fsynced, so a crash leaves either no file or a whole
+one (plus maybe a temp file, which the next scan removes). Bad files are moved to quarantine/:
+never served, never counted in budgets, left for the operator; the reason is logged at WARNING.
+Nothing here takes a lock: the store orders calls for one key.
 """
 from __future__ import annotations
 

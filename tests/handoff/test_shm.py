@@ -1,4 +1,4 @@
-"""kvstreamd.shm: real POSIX shared memory between real processes, no mocks.
+"""kvstreamd.handoff.shm: real POSIX shared memory between real processes, no mocks.
 
 Anything that could segfault if the module regressed runs in a subprocess, where a crash shows up
 as a negative return code instead of killing pytest.

@@ -1,4 +1,4 @@
-"""Lasting pins (kvstreamd.pins, Store.pin_context): eviction passes a pinned context over in
+"""Lasting pins (kvstreamd.store.pins, Store.pin_context): eviction passes a pinned context over in
 both tiers until it is unpinned or deleted, the pin budget bounds pinned bytes and a pin over it
 is refused saying so; and the API's pin field and /v1/pins on a real daemon in this loop."""
 from __future__ import annotations
