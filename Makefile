@@ -51,7 +51,8 @@ $(VLLM_STAMP): pyproject.toml
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
-# The inner loop: every test but the `system` ones (daemon processes, namespaces, the real model, servers).
+# The inner loop: every test but the `system` ones (daemon processes, namespaces, root, the real model, servers,
+# CLI subprocesses: marked by what a test uses, tests/conftest.py), in-process daemons included.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not system"
 

@@ -13,21 +13,41 @@ import pytest
 import torch
 
 from codec import profile as profiles, registry
-from tests.fixtures import SMALL, synthetic_kv
+from tests.fixtures import SMALL, is_system_fixture, synthetic_kv, system_fixture
 
-# What makes a test a `system` test (pyproject.toml's markers): living in tests/system/ (daemon
-# processes, network namespaces, the real model, real servers, root), or loading the real model.
+# What makes a test a `system` test (pyproject.toml's markers) is what it uses, not where it lives:
+# - a fixture that starts or loads something, marked so with `system_fixture` (tests/fixtures.py):
+#   the real model (`lm`), a redis-server (`redis_server`), root (`small_disk`), and the module
+#   fixtures that start daemon processes or run the CLI; a test using one, directly or through
+#   another fixture, is marked here;
+# - what a test's body does itself (a daemon process, a network namespace, a subprocess of the
+#   CLI or of Python, promtool, systemd-analyze, vLLM): an explicit `@pytest.mark.system`, or
+#   `pytestmark` where the whole file does.
 # A daemon in the test's loop (`inprocess`) is not one: it takes a fraction of a second on the
-# session's codec pool.
+# session's codec pool. tests/system/ holds files of system tests only: a test there that is not
+# marked is a collection error (it belongs in its room's folder, where `make test-fast` runs it).
 SYSTEM_DIR = Path(__file__).resolve().parent / "system"
-SYSTEM_FIXTURES = {"lm"}
 STOP_TIMEOUT_S = 60  # an in-process daemon stops in well under a second
 
 
+def _uses_system_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(is_system_fixture(d.func) for defs in info.name2fixturedefs.values() for d in defs)
+
+
 def pytest_collection_modifyitems(config, items):
+    unmarked = []
     for item in items:
-        if SYSTEM_DIR in item.path.parents or SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if item.get_closest_marker("system") is None and _uses_system_fixture(item):
             item.add_marker(pytest.mark.system)
+        if SYSTEM_DIR in item.path.parents and item.get_closest_marker("system") is None:
+            unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError("tests/system/ holds system tests only; these use no daemon process, model, "
+                                "server, namespace or subprocess (move them to their room's folder, or mark "
+                                "what they use):\n  " + "\n  ".join(unmarked))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,6 +81,7 @@ def small_profile(tmp_path_factory) -> profiles.Profile:
 
 
 @pytest.fixture(scope="session")
+@system_fixture
 def lm():
     from kvstreamd import models
 
@@ -142,6 +163,7 @@ def _awaiting(coro) -> str:
 
 
 @pytest.fixture
+@system_fixture
 def redis_server(tmp_path):
     """A real redis-server on a free port (kvstreamd/lab/redisserver.py), stopped at the end."""
     from kvstreamd.lab.redisserver import RedisServer
@@ -152,6 +174,7 @@ def redis_server(tmp_path):
 
 
 @pytest.fixture
+@system_fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs (needs root): writes really fail with ENOSPC."""
     mnt = tmp_path / "tmpfs"

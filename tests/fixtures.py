@@ -26,6 +26,23 @@ from transport.messages import Advertise
 DATA = Path(__file__).resolve().parent / "data"  # files the tests read: golden bitstreams, old stores, recorded visits
 REPO = Path(__file__).resolve().parents[1]
 
+# -- what makes a test a `system` test (conftest.py) ------------------------------------------
+
+SYSTEM_FIXTURE = "_kvstreamd_system_fixture"
+
+
+def system_fixture(func):
+    """Marks a fixture (under its @pytest.fixture) as one that starts or loads what makes a test a
+    `system` test: daemon processes, the real model, a real server, root, a CLI subprocess. Every
+    test that uses it, directly or through another fixture, is marked `system` (conftest.py)."""
+    setattr(func, SYSTEM_FIXTURE, True)
+    return func
+
+
+def is_system_fixture(func) -> bool:
+    return getattr(func, SYSTEM_FIXTURE, False)
+
+
 # -- synthetic KV and daemon processes -------------------------------------------------------
 
 SMALL = dict(layers=3, heads=2, head_dim=8)

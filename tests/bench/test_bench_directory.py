@@ -7,11 +7,13 @@ import json
 import pytest
 
 from kvstreamd.bench import directory
+from tests.fixtures import system_fixture
 
 LEASE_S = 2.0
 
 
 @pytest.fixture(scope="module")
+@system_fixture
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "directory.json"
     run = directory.run(daemons=3, puts=3, lease_s=LEASE_S, outage_s=2.0, json_path=str(path), log=lambda *a: None)

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.fixtures import system_fixture
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--layers", "2", "--heads", "2", "--head-dim", "32", "--tokens", "96",
         "--chunk-tokens", "32", "--reps", "2", "--workers", "1", "--quiet"]
@@ -28,6 +30,7 @@ def _env() -> dict:
 
 
 @pytest.fixture(scope="module")
+@system_fixture
 def report(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("bench_gpu") / "gpu_bench.json"
     res = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "bench", "gpu", *TINY, "--json", str(path)], cwd=ROOT,
@@ -78,6 +81,7 @@ def test_fitted_profile_recovers_the_source_spectra():
     assert all(np.array_equal(again.tensors[k], v) for k, v in prof.tensors.items())
 
 
+@pytest.mark.system  # a Python subprocess
 def test_module_needs_none_of_the_optional_dependencies():
     code = ("import sys, kvstreamd.bench.gpu, kvstreamd.cli; "
             f"print([m for m in {OPTIONAL!r} if m in sys.modules])")

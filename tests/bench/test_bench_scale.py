@@ -12,6 +12,7 @@ from kvstreamd import cli, client as client_mod
 from kvstreamd.bench import scale
 
 
+@pytest.mark.system  # daemon processes
 def test_bench_scale_puts_fetches_and_reports_its_floors(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(client_mod, "PUT_PIECE_BYTES", 3 * 2 * 256 * 16 * 2 * 2)  # two 256-token chunks a put

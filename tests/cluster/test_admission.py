@@ -20,7 +20,7 @@ import torch
 
 import codec
 from codec import baselines
-from tests.fixtures import SMALL, synthetic_daemon
+from tests.fixtures import SMALL, synthetic_daemon, system_fixture
 from kvstreamd.cluster.admission import Refused, Wanted, admit
 from kvstreamd.client import AsyncClient
 from kvstreamd.store.keys import KEY_BYTES
@@ -90,6 +90,7 @@ async def metric(c: AsyncClient, kind: str) -> float:
 # -- a real daemon process, for what it allocates ----------------------------------------------------
 
 @pytest.fixture(scope="module")
+@system_fixture
 def daemon(tmp_path_factory, small_profile):
     d = synthetic_daemon(tmp_path_factory.mktemp("bounds"), "fetcher", small_profile, peer={"max_keys_per_peer": CAP})
     d.start()

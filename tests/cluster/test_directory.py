@@ -2,6 +2,8 @@
 (kvstreamd/cluster/directory.py), and the ADVERTISEs a node sends of what it holds (kvstreamd/cluster/peers.py)."""
 from __future__ import annotations
 
+import pytest
+
 from kvstreamd.cluster.directory import PeerDirectory
 from kvstreamd.cluster.directory import ADVERTISE_BATCH, advertisements
 
@@ -45,3 +47,18 @@ def test_a_node_advertises_one_message_per_set_of_levels_held():
         (["balanced", "fast", "high"], [K[0], K[2]]), (["fast"], [K[1]])]
     many = advertisements({bytes(32 - 4) + i.to_bytes(4, "big"): ALL for i in range(ADVERTISE_BATCH + 1)})
     assert [len(m.keys) for m in many] == [ADVERTISE_BATCH, 1]
+
+
+def test_a_bad_directory_section_is_a_config_error(tmp_path):
+    from kvstreamd import config
+
+    bad = tmp_path / "c.toml"
+    bad.write_text('[directory]\nbackend = "etcd"\n')
+    with pytest.raises(config.ConfigError, match=r"\[directory\] backend"):
+        config.load(bad)
+    bad.write_text('[directory]\nbackend = "redis"\nurl = "localhost:6379"\n[peer]\nsecret = "0123456789abcdef0"\n')
+    with pytest.raises(config.ConfigError, match="not a Redis URL"):
+        config.load(bad)
+    bad.write_text('[directory]\nbackend = "redis"\n')
+    with pytest.raises(config.ConfigError, match="no secret"):
+        config.load(bad)

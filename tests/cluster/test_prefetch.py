@@ -196,6 +196,7 @@ def settled(node) -> bool:
     return idle(node.client().status()["prefetch"])
 
 
+@pytest.mark.system  # daemon processes
 def test_replaying_a_recorded_access_pattern_prefetch_doubles_the_local_hit_rate(tmp_path, small_profile):
     """a holds 12 documents; b_off and b_on (each a store of 2.5 documents in memory, no disk,
     keeping what it fetches; prefetch off and on) each fetch the recorded visits from it."""
@@ -247,6 +248,7 @@ def test_replaying_a_recorded_access_pattern_prefetch_doubles_the_local_hit_rate
 ok, why = netns.available()
 
 
+@pytest.mark.system  # daemon processes in network namespaces (root)
 @pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
 def test_a_prefetch_in_flight_takes_no_chunk_while_a_user_fetch_runs_and_resumes_after(tmp_path, small_profile):
     """b learns that y follows x; fetching x again starts y's prefetch (12 chunks, ~2.4 s at

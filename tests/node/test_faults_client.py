@@ -13,7 +13,7 @@ import threading
 import aiohttp
 import pytest
 
-from tests.fixtures import SMALL, synthetic_daemon, synthetic_kv
+from tests.fixtures import SMALL, synthetic_daemon, synthetic_kv, system_fixture
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.lab.daemons import wait_for
 from kvstreamd.handoff.shm import Segment
@@ -41,6 +41,7 @@ async def error_of(d, method: str, path: str, body=None, raw: bytes | None = Non
 # -- class 1: a client's put segment cannot fault the daemon ----------------------------------------
 
 @pytest.fixture
+@system_fixture
 def daemon(tmp_path, small_profile):
     """One real daemon process coding with the small synthetic profile."""
     d = synthetic_daemon(tmp_path, "a", small_profile, codec={"chunk_tokens": CHUNK})

@@ -20,7 +20,6 @@ import redis
 import torch
 
 from kvstreamd.client import AsyncClient
-from kvstreamd.lab.redisserver import RedisServer
 from tests.fixtures import (MODEL, SECRET, ScriptedPeer, client, context, decoded, encoded, keys_of, sees,
                              stored, until)
 from transport.events import FetchReceived
@@ -122,14 +121,7 @@ def serves(tokens: list[int], payloads: list[bytes], delay_s: float = 0.0, level
 
 # -- a ghost in the directory ------------------------------------------------------------------------
 
-PREFIX = "kvs-test:"
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    s = RedisServer(tmp_path / "redis").start()
-    yield s
-    s.stop()
+PREFIX = "kvs-test:"  # (redis_server: conftest.py's)
 
 
 async def test_a_ghost_holder_that_accepts_tcp_and_never_speaks_costs_a_2_s_fetch_no_time_and_cools_down(

@@ -11,6 +11,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from kvstreamd.client import AsyncClient
 from kvstreamd.cluster.directory import PeerDirectory
 from kvstreamd.lab.daemons import DaemonProcess
@@ -93,6 +95,7 @@ async def test_a_stream_that_stops_moving_is_given_up_after_stall_s_long_before_
     await until("the FETCH was not cancelled on the wire", lambda: _true(len(cancelled) == 1))
 
 
+@pytest.mark.system  # a daemon process
 async def test_a_holder_daemon_sigstopped_mid_stream_costs_at_most_the_deadline_plus_grace(inprocess, tmp_path):
     """A real daemon process holds a long context (many small chunks, so that its stream is still
     going when the first chunk has landed) and is SIGSTOPped then: its socket stays open, it sends

@@ -118,6 +118,7 @@ async def test_a_put_racing_a_worker_kill_is_stored_or_fails_with_the_real_error
         assert torch.equal(got[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.start, ev.end, ev.level))
 
 
+@pytest.mark.system  # a daemon process
 def test_a_daemon_process_replaces_a_codec_worker_killed_by_sigkill(tmp_path, small_profile):
     d = synthetic_daemon(tmp_path, "solo", small_profile, codec={"chunk_tokens": CHUNK, "workers": 2})
     d.start()

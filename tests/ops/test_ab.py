@@ -57,6 +57,7 @@ def test_a_retry_lands_in_the_arm_of_its_first_try(fraction):
     assert CANDIDATE in first and CONTROL in first
 
 
+@pytest.mark.system  # a Python subprocess
 def test_a_request_keeps_its_arm_in_another_process_with_another_hash_seed(tmp_path):
     """What a daemon restart is to the arm: a new interpreter, another str hash seed."""
     path = tmp_path / "prompts.json"
@@ -215,6 +216,7 @@ def test_ab_report_compares_only_the_latest_experiments_outcomes():
     assert report["arms"][CANDIDATE]["deadline_miss_rate"] < 0.2
 
 
+@pytest.mark.system  # a subprocess of the CLI
 def test_ab_report_from_a_recorded_log_on_the_command_line(tmp_path):
     path = tmp_path / "ab-fetches.jsonl"
     log = FetchOutcomes(path)

@@ -46,12 +46,14 @@ def words(text: str) -> str:
 
 # -- promtool ----------------------------------------------------------------------------------
 
+@pytest.mark.system  # promtool
 def test_promtool_accepts_the_rules_file():
     r = promtool("check", "rules", str(RULES))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout
 
 
+@pytest.mark.system  # promtool
 def test_promtool_unit_tests_of_the_rules_pass():
     r = promtool("test", "rules", str(RULE_TESTS))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -69,6 +71,7 @@ def test_every_alert_has_a_unit_test_that_fires_it_and_one_that_does_not():
     assert (fired | quiet) - names == set(), "tests of alerts that do not exist"
 
 
+@pytest.mark.system  # promtool
 @pytest.mark.parametrize("bound", [b for t in health.THRESHOLDS for b in t.bounds], ids=lambda b: b.alert)
 def test_the_unit_tests_fail_when_a_threshold_moves(tmp_path, bound):
     """The tests pin each threshold: moved well past their series (x10 up, /10 down), they fail."""
@@ -84,6 +87,7 @@ def test_the_unit_tests_fail_when_a_threshold_moves(tmp_path, bound):
     assert r.returncode != 0 and bound.alert in r.stdout + r.stderr
 
 
+@pytest.mark.system  # promtool
 def test_promtool_parses_every_dashboard_query(tmp_path):
     """Each panel's query (Grafana's variables set as Grafana would) parses as PromQL: promtool
     checks it as a recording rule."""

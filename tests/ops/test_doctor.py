@@ -17,7 +17,7 @@ import torch
 
 import codec
 from codec import profile as profiles, registry
-from tests.fixtures import synthetic_daemon, synthetic_kv
+from tests.fixtures import synthetic_daemon, synthetic_kv, system_fixture
 from kvstreamd.ops import doctor
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.coder import PRIOR_MBPS_PER_WORKER
@@ -36,6 +36,7 @@ HARDWARE = {"cpu", "gpu"}
 
 
 @pytest.fixture(scope="module")
+@system_fixture
 def cluster(tmp_path_factory, small_profile):
     """Four daemons, started once (a daemon takes seconds to start), each test using its own
     so that none sees another's doing: a holds (memory_budget 0: every chunk it serves is read
@@ -203,6 +204,7 @@ def test_a_probe_with_a_timeout_past_its_bound_is_refused_naming_the_field(clust
     assert e.value.status == 400 and "'timeout_s'" in e.value.message
 
 
+@pytest.mark.system  # a subprocess of the CLI
 def test_doctor_without_a_daemon_at_the_socket_fails_saying_so_and_exits_2(tmp_path):
     rc, report = doctor_at(tmp_path / "none.sock")
     assert rc == 2 and [(c["name"], c["status"]) for c in report["checks"]] == [("daemon", "fail")]

@@ -54,11 +54,13 @@ def installed_copy(tmp_path: Path, unit_text: str | None = None) -> Path:
     return tmp_path
 
 
+@pytest.mark.system  # systemd-analyze
 @needs_analyze
 def test_unit_verifies(tmp_path):
     assert verify(installed_copy(tmp_path)) == []
 
 
+@pytest.mark.system  # systemd-analyze
 @needs_analyze
 def test_verify_catches_mistakes(tmp_path):
     """The check above is not vacuous: systemd-analyze reports a bad key, a missing binary."""
@@ -70,6 +72,7 @@ def test_verify_catches_mistakes(tmp_path):
         assert out and out[0] == "exit status 1" and any("not executable" in ln for ln in out), out
 
 
+@pytest.mark.system  # systemd-analyze
 @needs_analyze
 def test_dropin_example_verifies(tmp_path):
     """The sample drop-in, with its commented-out settings switched on, over the unit."""

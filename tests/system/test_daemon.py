@@ -22,6 +22,8 @@ from kvstreamd.client import AsyncClient, ClientError, _UnixHTTPConnection
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
 from tests.fixtures import CHUNK, expected_chunk, real_context
 
+pytestmark = pytest.mark.system  # daemon processes and subprocesses of the CLI, every test
+
 
 @pytest.fixture(scope="module")
 def context(lm):

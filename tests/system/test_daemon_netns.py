@@ -13,7 +13,8 @@ from kvstreamd.lab.daemons import DaemonProcess, wait_for
 from tests.fixtures import CHUNK, expected_chunk, real_context
 
 ok, why = netns.available()
-pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
+pytestmark = [pytest.mark.system,  # daemon processes in network namespaces (root), the real model
+              pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")]
 
 
 @pytest.fixture(scope="module")

@@ -159,21 +159,6 @@ def _keys(d, tokens) -> list[str]:
     return [k.hex() for k in chunk_keys(MODEL, tokens, d.cfg.codec.chunk_tokens)]
 
 
-def test_a_bad_directory_section_is_a_config_error(tmp_path):
-    from kvstreamd import config
-
-    bad = tmp_path / "c.toml"
-    bad.write_text('[directory]\nbackend = "etcd"\n')
-    with pytest.raises(config.ConfigError, match=r"\[directory\] backend"):
-        config.load(bad)
-    bad.write_text('[directory]\nbackend = "redis"\nurl = "localhost:6379"\n[peer]\nsecret = "0123456789abcdef0"\n')
-    with pytest.raises(config.ConfigError, match="not a Redis URL"):
-        config.load(bad)
-    bad.write_text('[directory]\nbackend = "redis"\n')
-    with pytest.raises(config.ConfigError, match="no secret"):
-        config.load(bad)
-
-
 # -- the fleet floor: 16 daemon processes, one redis-server ----------------------------------------
 
 LEASE_S = 10.0

@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.system  # a subprocess of the CLI: the demo's daemon processes and the real model
+
 
 def test_short_demo_end_to_end(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvstreamd.cli", "demo", "--tokens", "700", "--chunk-tokens", "256",

@@ -14,7 +14,8 @@ from kvstreamd.lab import netns
 from kvstreamd.lab.daemons import wait_for
 
 ok, why = netns.available()
-pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
+pytestmark = [pytest.mark.system,  # daemon processes in network namespaces (root)
+              pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")]
 
 MODEL = "synthetic-test-model"
 TOKENS = 8192  # 32 chunks of 256 tokens, ~49 kB each at fp16: ~3.2 s from one holder at 4 Mbit/s

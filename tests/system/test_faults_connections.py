@@ -12,12 +12,16 @@ import threading
 import time
 import zlib
 
+import pytest
+
 from tests.fixtures import MODEL, SECRET, synthetic_daemon
 from kvstreamd.lab.daemons import wait_for
 from kvstreamd.store.chunkfile import ChunkRecord
 from kvstreamd.store.keys import chunk_keys
 from kvstreamd.store.store import Store
 from transport import aio
+
+pytestmark = pytest.mark.system  # daemon processes, every test
 
 PROBE = 16 * 2**20  # the most a probe may ask for
 WRITE_STALL_S = 4.0

@@ -7,9 +7,11 @@ import torch
 
 from codec import registry
 from codec.layout import PrefixKV
+from tests.fixtures import system_fixture
 
 
 @pytest.fixture(scope="module")
+@system_fixture  # the real Gemma-3-270M
 def gemma():
     from kvstreamd import models
 

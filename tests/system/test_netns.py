@@ -10,7 +10,8 @@ import pytest
 from kvstreamd.lab import netns
 
 ok, why = netns.available()
-pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
+pytestmark = [pytest.mark.system,  # network namespaces (root)
+              pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")]
 
 SERVER = """
 import socket, sys

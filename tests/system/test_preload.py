@@ -13,9 +13,8 @@ from codec import registry
 from kvstreamd.ops import preload
 from kvstreamd.lab import corpus
 from kvstreamd.lab.daemons import DaemonProcess, wait_for
-from kvstreamd.ops.preload_child import child_env
 
-from tests.fixtures import synthetic_daemon, synthetic_kv
+from tests.fixtures import synthetic_daemon, synthetic_kv, system_fixture
 
 DOCS = 5
 DOC_CHARS = 1150  # ~270-330 tokens: two 256-token chunks each, and a short prefill
@@ -39,6 +38,7 @@ def wait_preloaded(node: DaemonProcess, timeout: float = 240.0) -> dict:
 
 
 @pytest.fixture(scope="module")
+@system_fixture  # a daemon process (and the real model)
 def preloaded(tmp_path_factory, request):
     """A daemon whose [store] preload names a folder of five documents, with small memory and disk
     budgets, after its preload has finished; and each document's tokens."""
@@ -106,6 +106,7 @@ def test_filling_the_store_past_its_budgets_evicts_none_of_the_preloaded(preload
         assert c.lookup(lm.model_id, tokens)["local_tokens"] == len(tokens), f"{path} was evicted"
 
 
+@pytest.mark.system  # a daemon process
 def test_a_missing_preload_file_is_an_error_naming_it_and_the_daemon_serves(tmp_path, small_profile):
     node = synthetic_daemon(tmp_path, "m", small_profile, store={"preload": [str(tmp_path / "nope.txt")]})
     node.start()
@@ -125,21 +126,3 @@ def test_a_restart_pins_the_preloaded_documents_again_without_prefilling_them(pr
     state = wait_preloaded(node)
     assert (state["state"], state["held"], state["stored"]) == ("done", DOCS, 0), state
     assert len(node.client().pins()) == DOCS
-
-
-def test_documents_are_files_and_the_txt_files_of_folders_and_each_bad_path_is_named(tmp_path):
-    (tmp_path / "d").mkdir()
-    for name in ("b.txt", "a.txt", "notes.md"):
-        (tmp_path / "d" / name).write_text("x")
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "one.text").write_text("x")
-    docs, bad = preload.documents([tmp_path / "one.text", tmp_path / "d", tmp_path / "empty", tmp_path / "gone.txt"])
-    assert docs == [tmp_path / "one.text", tmp_path / "d" / "a.txt", tmp_path / "d" / "b.txt"]
-    assert [o.error for o in bad] == [f"{tmp_path / 'empty'}: a folder with no *.txt files",
-                                      f"{tmp_path / 'gone.txt'}: no such file or folder"]
-
-
-def test_under_systemd_the_preload_child_keeps_the_model_in_the_units_cache_directory():
-    env = child_env({"CACHE_DIRECTORY": "/var/cache/kvstreamd", "HOME": "/nonexistent"})
-    assert env["XDG_CACHE_HOME"] == "/var/cache/kvstreamd" and env["TQDM_DISABLE"] == "1"
-    assert child_env({"XDG_CACHE_HOME": "/c", "CACHE_DIRECTORY": "/v"})["XDG_CACHE_HOME"] == "/c"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system  # subprocesses of the CLI, every test
+
 
 def start_up(tmp_path: Path, toml: str, prefix: tuple[str, ...] = (), socket: str = "api.sock"
              ) -> subprocess.CompletedProcess:

@@ -10,7 +10,8 @@ from kvstreamd.lab import netns
 from kvstreamd.bench import stream, stream_data
 
 ok, why = netns.available()
-pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
+pytestmark = [pytest.mark.system,  # network namespaces (root)
+              pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")]
 
 DPPL = catalog.dppl_table(["fp16", "int8", "high", "balanced", "fast"])
 

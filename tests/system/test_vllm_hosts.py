@@ -17,7 +17,8 @@ from kvstreamd.lab.vllm_engine import Engine, connector_config
 from kvstreamd.models.engine_folder import engine_folder
 
 ok, why = netns.available()
-pytestmark = pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
+pytestmark = [pytest.mark.system,  # vLLM servers and daemon processes in network namespaces (root)
+              pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")]
 
 CHUNK = 256
 DOC = 4 * CHUNK

@@ -379,6 +379,7 @@ async def test_tls_files_that_do_not_load_stop_start_up_with_one_line(tmp_path, 
 
 # -- the benchmark's two ends, once, over a shaped link (needs root and iproute2) -------------
 
+@pytest.mark.system  # a network namespace (root)
 def test_the_tls_benchmark_moves_the_bytes_both_ways_over_a_shaped_link(pki):
     from kvstreamd.bench import tls as bench
     from kvstreamd.lab import netns

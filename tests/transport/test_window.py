@@ -96,6 +96,7 @@ def test_the_relay_delivers_every_byte_in_order_and_each_direction_at_least_the_
 ok, why = netns.available()
 
 
+@pytest.mark.system  # daemon processes in network namespaces (root)
 @pytest.mark.skipif(not ok, reason=f"cannot build network namespaces here: {why}")
 def test_a_long_round_trip_puts_many_chunks_in_flight_and_costs_a_few_round_trips_per_fetch():
     from kvstreamd.bench import window as bench

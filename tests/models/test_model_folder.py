@@ -131,6 +131,7 @@ def test_a_cache_that_holds_a_heads_first_copy_as_it_is_continues_like_one_that_
     assert all(torch.equal(p.kv, b) for p, b in zip(own.parts, before))
 
 
+@pytest.mark.system  # subprocesses of the CLI and a daemon process
 @pytest.mark.parametrize("which", ["llama", "gemma"])
 def test_calibrate_put_fetch_generate_with_a_model_folder(tmp_path, request, which):
     folder = request.getfixturevalue(f"{which}_folder")
