@@ -1,7 +1,8 @@
 """What the tests build their cases from, shared by the files that need them (conftest.py
 holds the fixtures): synthetic KV and a daemon process coding with the small synthetic profile,
 an in-process cluster's helpers (clients, contexts, chunk keys, scripted peers), the real
-model's contexts as a daemon process codes them, and chunk stores on real files."""
+model's contexts as a daemon process codes them, chunk stores on real files, the helpers of
+streaming without a network (tests/transport), and what marks a fixture `system` (conftest.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 import codec
+from codec import catalog
 from codec import profile as profiles, registry
 from kvstreamd.client import AsyncClient
 from kvstreamd.store.chunkfile import ChunkRecord
@@ -22,6 +24,7 @@ from kvstreamd.store.keys import chunk_keys
 from kvstreamd.store.store import Store
 from transport import aio
 from transport.messages import Advertise
+from transport.policy import Choice
 
 DATA = Path(__file__).resolve().parent / "data"  # files the tests read: golden bitstreams, old stores, recorded visits
 REPO = Path(__file__).resolve().parents[1]
@@ -265,3 +268,19 @@ def open_store(dir, mem=10 * 2**20, disk=10 * 2**20, events: Events | None = Non
 
 def chunk_file(dir: Path, key: bytes) -> Path:
     return dir / "chunks" / key.hex()[:2] / f"{key.hex()}.kvc"
+
+
+# -- streaming without a network (tests/transport: the rules, the traces, the sender, send_chunks) ---
+
+MB = 1e6
+DPPL = catalog.dppl_table(["fp16", "int8", "high", "balanced", "fast"])  # the costs the daemon prices with
+
+
+def mbit(rate: float) -> float:
+    """Mbit/s -> bytes/s."""
+    return rate * 1e6 / 8
+
+
+def fixed(levels):
+    """A rule that sends the given levels in order, whatever happens."""
+    return lambda s: Choice(levels[len(levels) - s.chunks], 0.0, "fixed")
