@@ -181,7 +181,7 @@ def test_notify_abstract_namespace():
 def test_notify_outside_systemd_and_failures(tmp_path, caplog):
     assert sdnotify.notify("READY=1", {}) is False
     assert sdnotify.ready(env={"NOTIFY_SOCKET": ""}) is False
-    with caplog.at_level("WARNING", logger="kvstreamd.sdnotify"):
+    with caplog.at_level("WARNING", logger="kvstreamd.ops.sdnotify"):
         assert sdnotify.notify("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "nobody")}) is False
         assert sdnotify.notify("READY=1", {"NOTIFY_SOCKET": "vsock:2:1234"}) is False
     assert len(caplog.records) == 2
