@@ -270,6 +270,18 @@ def chunk_file(dir: Path, key: bytes) -> Path:
     return dir / "chunks" / key.hex()[:2] / f"{key.hex()}.kvc"
 
 
+# -- a clock a test moves by hand -------------------------------------------------------------------
+
+class Clock:
+    """Called, it says `now`; a test moves it (`clock.now += 5`)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 # -- streaming without a network (tests/transport: the rules, the traces, the sender, send_chunks) ---
 
 MB = 1e6

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from kvstreamd.cluster.shares import PATIENCE, Shares, level_tier, needed_level
+from tests.fixtures import Clock
 
 LADDER = ["high", "balanced", "fast"]
 
@@ -140,19 +141,11 @@ def test_a_chunk_only_a_lesser_holder_has_still_goes_to_it():
 
 # -- holders that go silent, or answer what they should not (issue 26) ---------------------------
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_an_idle_holder_takes_the_chunks_of_a_holder_that_delivered_nothing_its_last_one_too():
     """"a" never sends (a ghost, or a peer that only PINGs); "b" and "c" sent theirs in 0.1 s:
     once "a" has been silent for PATIENCE x that, "b" takes its chunk, though it is a's last and
     a's (unmeasured) rate ties b's; "c" does not ask for it too while b's request is live."""
-    clock = Clock()
+    clock = Clock(100.0)
     s = Shares(range(3), everyone("a", "b", "c"), lambda p: 1.0, clock=clock)
     a, b, c = s.take("a"), s.take("b"), s.take("c")
     assert (a, b, c) == ([0], [1], [2])

@@ -17,7 +17,7 @@ import torch
 
 import codec
 from codec import profile as profiles, registry
-from tests.fixtures import synthetic_daemon, synthetic_kv, system_fixture
+from tests.fixtures import Clock, synthetic_daemon, synthetic_kv, system_fixture
 from kvstreamd.ops import doctor
 from kvstreamd.client import AsyncClient, ClientError
 from kvstreamd.coder import PRIOR_MBPS_PER_WORKER
@@ -227,16 +227,8 @@ def test_the_gpu_check_reads_nvidia_smi():
 
 # -- what the checks make of the figures ------------------------------------------------------
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 10_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_recent_errors_count_only_those_inside_the_window():
-    clock = Clock()
+    clock = Clock(10_000.0)
     errors = RecentErrors(clock=clock)
     errors.add("decode")
     clock.now += 3000
@@ -247,7 +239,7 @@ def test_recent_errors_count_only_those_inside_the_window():
 
 
 def test_recent_errors_say_when_the_window_reaches_past_what_they_kept():
-    clock = Clock()
+    clock = Clock(10_000.0)
     errors = RecentErrors(keep=3, clock=clock)
     for _ in range(5):
         errors.add("decode")
