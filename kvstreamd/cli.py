@@ -18,7 +18,8 @@ def _profile_calibrate(args: argparse.Namespace) -> int:
     from .lab import calibrate
 
     torch.manual_seed(0)
-    from codec import Profile, registry
+    from codec import Profile
+    from codec.tuning import registry
 
     lm = models.load(args.model)
     sens = Profile.load(args.sensitivity_from).tensors["sensitivity"] if args.sensitivity_from else None
@@ -48,7 +49,8 @@ def _profile_retune(args: argparse.Namespace) -> int:
     statistics, steps and level scales stay as they are."""
     from . import models
     from .lab import calibrate
-    from codec import Profile, registry
+    from codec import Profile
+    from codec.tuning import registry, tuned
 
     lm = models.load(args.model)
     prof = Profile.load(args.profile) if args.profile else registry.for_model(lm.model_id)
@@ -56,10 +58,8 @@ def _profile_retune(args: argparse.Namespace) -> int:
     tuning = calibrate.tuning_cases(lm, texts=args.texts or calibrate.TUNING_TEXTS)
     costs = calibrate.chunk_costs(lm, prof, tuning)
     if args.profile_command == "tune-rate":
-        prof.meta["rate_control"] = calibrate.tune_targets(lm, prof, tuning, costs=costs)
-        prof._id = None  # meta changed: the id the tuning's coding took is not the new profile's
-    prof.meta["level_dppl"] = calibrate.level_costs(lm, prof, tuning, costs)
-    prof._id = None
+        tuned.write(prof, rate_control=calibrate.tune_targets(lm, prof, tuning, costs=costs))
+    tuned.write(prof, level_dppl=calibrate.level_costs(lm, prof, tuning, costs))
     out = Path(args.out) if args.out else registry.user_file(prof)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
@@ -199,7 +199,7 @@ def _unpin(args: argparse.Namespace) -> int:
 def _fetch(args: argparse.Namespace) -> int:
     """Fetch a text file's KV (longest prefix held locally or by peers) and report each chunk."""
     lm, models, tokens = _text_tokens(args)
-    with _client(args).fetch(lm.model_id, tokens, args.deadline_ms) as f:
+    with _client(args).fetch(lm.model_id, tokens, deadline_ms=args.deadline_ms) as f:
         print(f"found {f.found_tokens} of {len(tokens)} tokens")
         for ev in f:
             print(f"  chunk {ev.i:3d} tokens {ev.start:6d}-{ev.end:<6d} {ev.kind:4} {ev.level:9} from {ev.source:12} "
@@ -317,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
                      help="no per-chunk rate control: every chunk at its level's one scale (for a model whose "
                           "held-out text breaks the floors under it, as Gemma-3-270M's does)")
     cal.add_argument("--token-steps", type=float, default=None, metavar="POWER",
-                     help="per-token steps (codec/token_steps.py): each token's step times (its probe weight over "
+                     help="per-token steps (codec/tuning/token_steps.py): each token's step times (its probe weight over "
                           "the layer's mean) ** -POWER, within 1..8; the level scales are tuned with them (0.25: "
                           "what Gemma-3-270M's profile takes)")
     cal.set_defaults(func=_profile_calibrate)

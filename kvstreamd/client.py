@@ -21,7 +21,6 @@ fetch state (`_FetchState`), each with every route; one shared request builder o
 route table would shorten it."""
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import http.client
@@ -37,6 +36,7 @@ from codec import layout
 from codec.layout import PrefixKV
 
 from . import events
+from kvstreamd.requests import ChunkCost, ContextRequest, FetchRequest, ProbeRequest, PutRequest, to_body
 from kvstreamd.routes import request
 from kvstreamd.handoff.shm import SHM_DIR, Attached, Segment, ShmError
 
@@ -271,7 +271,7 @@ class Client:
         return self._call(*request("ab"))
 
     def lookup(self, model_id: str, tokens: list[int]) -> dict:
-        return self._call(*request("lookup"), {"model_id": model_id, "tokens": list(map(int, tokens))})
+        return self._call(*request("lookup"), to_body(ContextRequest(model_id, list(tokens))))
 
     def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0, pin: bool = False,
             costs: list[list[float]] | None = None, token_classes: Any = None) -> dict:
@@ -282,22 +282,22 @@ class Client:
         already), for a caller that makes a long context's KV piece by piece. `pin`: pin the
         whole context once stored (see pin()). `costs`: [end, last] per chunk of the whole
         context, what coding each costs the model (kvstreamd.models.rate_probe): the daemon then
-        codes each chunk at its own steps (codec.rate). `token_classes`: uint8 [L, tokens] (a
+        codes each chunk at its own steps (codec.tuning.rate). `token_classes`: uint8 [L, tokens] (a
         C-contiguous array) of the whole context, each token's step class per layer
-        (codec.token_steps; kvstreamd.models.put makes them) for a profile that takes them."""
+        (codec.tuning.token_steps; kvstreamd.models.put makes them) for a profile that takes them."""
         reply = None
         ct = self.status()["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
-            body, seg = _put_segment(model_id, tokens[:e], piece, s, costs, token_classes)
-            body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
+            req, seg = _put_segment(model_id, tokens[:e], piece, s, costs, token_classes)
+            req = dataclasses.replace(req, pin=pin and e == len(tokens))  # the last piece: the whole context is stored then
             with seg, _summing(reply):
-                reply = _summed(reply, self._call(*request("put"), body))
+                reply = _summed(reply, self._call(*request("put"), to_body(req)))
         return reply
 
     def pin(self, model_id: str, tokens: list[int]) -> dict:
         """Pin the context held for these tokens: the daemon's eviction passes it over until
         unpin() or delete_context(). ClientError pin_refused over [store] pin_budget."""
-        return self._call(*request("pin"), {"model_id": model_id, "tokens": list(map(int, tokens))})
+        return self._call(*request("pin"), to_body(ContextRequest(model_id, list(tokens))))
 
     def unpin(self, key: str) -> None:
         self._call(*request("unpin", key=key))
@@ -305,13 +305,12 @@ class Client:
     def pins(self) -> list[dict]:
         return self._call(*request("pins"))["pins"]
 
-    def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
-              dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
-              recompute_tokens_per_s: float | None = None,
-              device: str = "cpu", text_last: bool = False, recompute_doubling_tokens: float | None = None,
-              order: str = "prompt") -> Fetch:
-        """Start a fetch; returns once the daemon has planned it (`found_tokens`, the buffer).
-        Iterate it for the chunk events; use it as a context manager to release the buffer.
+    def fetch(self, req: FetchRequest | str, tokens: list[int] | None = None, **options: Any) -> Fetch:
+        """Start a fetch of `req` (a kvstreamd.requests.FetchRequest), or of a model id and its
+        tokens with the request's other fields as keywords: fetch(model_id, tokens,
+        deadline_ms=2000, levels=["high"]). Returns once the daemon has planned it
+        (`found_tokens`, the buffer). Iterate it for the chunk events; use it as a context
+        manager to release the buffer. `dtype`: of the buffer (a torch dtype or its name).
         `levels`: accept only these (one level alone: every chunk at exactly that level).
         `recompute_tokens_per_s`: how fast this model prefills at the start of a prompt, so senders
         can price TEXT chunks; `recompute_doubling_tokens`: the position where a token costs it
@@ -320,11 +319,9 @@ class Client:
         a daemon without one says why in `start.gpu_unavailable` and uses shared memory.
         `text_last`: chunks come as TEXT only after every KV chunk (a caller that holds a KV
         prefix and then computes, as vLLM does). `order="landed"`: each KV chunk's event as soon
-        as its KV is in the buffer, ahead of chunks before it still decoding (events.ORDERS);
+        as its KV is in the buffer, ahead of chunks before it still decoding (requests.ORDERS);
         TEXT events still after every chunk before them."""
-        conn, resp = self._request(*request("fetch"), _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
-                                                                 recompute_tokens_per_s, device, text_last,
-                                                                 recompute_doubling_tokens, order))
+        conn, resp = self._request(*request("fetch"), to_body(fetch_request(req, tokens, options)))
         if resp.status >= 400:
             raw = resp.read()
             conn.close()
@@ -368,8 +365,10 @@ def _summing(reply: dict | None):
         raise
 
 
-def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
-                 costs: list[list[float]] | None = None, token_classes: Any = None) -> tuple[dict, Segment]:
+def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0, costs: list | None = None,
+                 token_classes: Any = None) -> tuple[PutRequest, Segment]:
+    """A put request for kv, which lies in a shared-memory segment made for it (the caller
+    closes it once the daemon has answered)."""
     if kv.dtype not in DTYPE_NAMES:
         raise ValueError(f"KV dtype {kv.dtype} is not one of {list(DTYPE_NAMES)}")
     seg = Segment.create(kv.numel() * kv.element_size(), mode=0o640)
@@ -381,15 +380,9 @@ def _put_segment(model_id: str, tokens: list[int], kv: torch.Tensor, start: int 
     except BaseException:
         seg.close()
         raise
-    body = {"model_id": model_id, "tokens": list(map(int, tokens)), "buffer": seg.name, "shape": list(kv.shape),
-            "dtype": DTYPE_NAMES[kv.dtype]}
-    if start:
-        body["start"] = int(start)
-    if costs is not None:
-        body["chunk_costs"] = [[float(end), float(last)] for end, last in costs]
-    if token_classes is not None:
-        body["token_classes"] = base64.b64encode(memoryview(token_classes).cast("B")).decode()
-    return body, seg
+    costs = None if costs is None else [c if isinstance(c, ChunkCost) else ChunkCost(*map(float, c)) for c in costs]
+    return PutRequest(model_id, list(tokens), seg.name, tuple(kv.shape), DTYPE_NAMES[kv.dtype], int(start),
+                      chunk_costs=costs, token_classes=token_classes), seg
 
 
 def _share_with_daemon(name: str) -> None:
@@ -406,20 +399,20 @@ def _share_with_daemon(name: str) -> None:
 
 
 def _probe_body(nbytes: int | None, timeout_s: float | None) -> dict:
-    return {k: v for k, v in (("bytes", nbytes), ("timeout_s", timeout_s)) if v is not None}
+    given = {k: v for k, v in (("bytes", nbytes), ("timeout_s", timeout_s)) if v is not None}
+    return to_body(ProbeRequest(**given))
 
 
-def _fetch_body(model_id, tokens, deadline_ms, dtype, levels=None, recompute_tps=None, device="cpu",
-                text_last=False, doubling=None, order="prompt") -> dict:
-    """The POST /v1/fetch body of an events.FetchRequest: its set fields."""
-    req = events.FetchRequest(model_id, list(map(int, tokens)), DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype)
-                              else dtype, None if deadline_ms is None else int(deadline_ms),
-                              None if levels is None else list(levels),
-                              None if recompute_tps is None else float(recompute_tps), device, bool(text_last),
-                              None if doubling is None else float(doubling), order)
-    defaults = events.FetchRequest(model_id, [])
-    return {f.name: getattr(req, f.name) for f in dataclasses.fields(req)
-            if f.name in ("model_id", "tokens", "dtype") or getattr(req, f.name) != getattr(defaults, f.name)}
+def fetch_request(req: FetchRequest | str, tokens: list[int] | None, options: dict) -> FetchRequest:
+    """`req` itself, or the FetchRequest of a model id, its tokens and FetchRequest's other
+    fields as keywords (dtype a torch dtype too)."""
+    if isinstance(req, FetchRequest):
+        if tokens is not None or options:
+            raise TypeError("fetch() takes a FetchRequest alone, or a model id, tokens and options")
+        return req
+    if isinstance(options.get("dtype"), torch.dtype):
+        options = {**options, "dtype": DTYPE_NAMES[options["dtype"]]}
+    return FetchRequest(req, list(tokens), **options)
 
 
 class AsyncFetch(_FetchState):
@@ -523,21 +516,21 @@ class AsyncClient:
         return await self._call(*request("ab"))
 
     async def lookup(self, model_id: str, tokens: list[int]) -> dict:
-        return await self._call(*request("lookup"), {"model_id": model_id, "tokens": list(map(int, tokens))})
+        return await self._call(*request("lookup"), to_body(ContextRequest(model_id, list(tokens))))
 
     async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
                   pin: bool = False, costs: list[list[float]] | None = None, token_classes: Any = None) -> dict:
         reply = None
         ct = (await self.status())["chunk_tokens"] if _split(kv, len(tokens) - start) else 0
         for s, e, piece in _pieces(kv, len(tokens), start, ct):
-            body, seg = _put_segment(model_id, tokens[:e], piece, s, costs, token_classes)
-            body["pin"] = pin and e == len(tokens)  # the last piece: the whole context is stored then
+            req, seg = _put_segment(model_id, tokens[:e], piece, s, costs, token_classes)
+            req = dataclasses.replace(req, pin=pin and e == len(tokens))  # the last piece: the whole context is stored then
             with seg, _summing(reply):
-                reply = _summed(reply, await self._call(*request("put"), body))
+                reply = _summed(reply, await self._call(*request("put"), to_body(req)))
         return reply
 
     async def pin(self, model_id: str, tokens: list[int]) -> dict:
-        return await self._call(*request("pin"), {"model_id": model_id, "tokens": list(map(int, tokens))})
+        return await self._call(*request("pin"), to_body(ContextRequest(model_id, list(tokens))))
 
     async def unpin(self, key: str) -> None:
         await self._call(*request("unpin", key=key))
@@ -545,14 +538,8 @@ class AsyncClient:
     async def pins(self) -> list[dict]:
         return (await self._call(*request("pins")))["pins"]
 
-    async def fetch(self, model_id: str, tokens: list[int], deadline_ms: int | None = None,
-                    dtype: torch.dtype | str = torch.float16, levels: list[str] | None = None,
-                    recompute_tokens_per_s: float | None = None,
-                    device: str = "cpu", text_last: bool = False,
-                    recompute_doubling_tokens: float | None = None, order: str = "prompt") -> AsyncFetch:
-        resp = await self._send(*request("fetch"), _fetch_body(model_id, tokens, deadline_ms, dtype, levels,
-                                                                 recompute_tokens_per_s, device, text_last,
-                                                                 recompute_doubling_tokens, order))
+    async def fetch(self, req: FetchRequest | str, tokens: list[int] | None = None, **options: Any) -> AsyncFetch:
+        resp = await self._send(*request("fetch"), to_body(fetch_request(req, tokens, options)))
         if resp.status >= 400:
             raw = await resp.read()
             resp.release()

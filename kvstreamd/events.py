@@ -1,41 +1,12 @@
-"""The local API's vocabulary for a fetch: what the model process asks for (`FetchRequest`) and
-the events the daemon streams back as NDJSON lines (`Start`, one `Chunk` per chunk as it lands,
-then `End`, or `Failed`). The daemon builds them, the API writes them and the client parses
-them, all from these definitions; `to_json`/`from_json` are the only wire mapping."""
+"""The events the daemon streams back for a fetch (kvstreamd.requests.FetchRequest) as NDJSON
+lines: `Start`, one `Chunk` per chunk as it lands, then `End`, or `Failed`. The daemon builds
+them, the API writes them and the client parses them, all from these definitions;
+`to_json`/`from_json` are the only wire mapping."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
-
-
-# The orders a fetch's chunk events may come in (FetchRequest.order). "prompt": chunk i's event
-# after chunk i-1's. "landed": a KV chunk's event as soon as its KV is in the buffer, ahead of
-# chunks before it still decoding (at 1000 Mbit/s an int8 chunk lands in a few ms while the
-# entropy-coded chunks sent before it decode for ~100 ms more; in prompt order the model process
-# could copy none of them until those were done); TEXT events still come after every chunk
-# before them, so a TEXT tail is computed on KV that is all there.
-ORDERS = ("prompt", "landed")
-
-
-@dataclass(frozen=True)
-class FetchRequest:
-    """POST /v1/fetch: the longest cached prefix of `tokens`, into a buffer the client maps."""
-
-    model_id: str
-    tokens: list[int]
-    dtype: str = "float16"  # of the buffer the KV lands in
-    deadline_ms: int | None = None  # None: [fetch] deadline_ms
-    levels: list[str] | None = None  # accepted levels, best first; one alone: exactly that level
-    recompute_tokens_per_s: float | None = None  # the model's prefill rate, to price TEXT chunks
-    device: str = "cpu"  # "cuda": decode on the daemon's GPU and hand over device memory
-    # TEXT chunks only after every KV chunk: the caller holds a KV prefix, then computes (vLLM)
-    text_last: bool = False
-    # the position where a token's prefill costs the model twice what it does at the start of a
-    # prompt (recompute_tokens_per_s being the rate there): TEXT is priced by position
-    # (transport.policy.text_seconds); None: at recompute_tokens_per_s everywhere
-    recompute_doubling_tokens: float | None = None
-    order: str = "prompt"  # of the chunk events: one of ORDERS
 
 
 @dataclass(frozen=True)
@@ -64,7 +35,7 @@ class Start:
 @dataclass(frozen=True)
 class Chunk:
     """One chunk has landed: its KV is in the buffer at [start, end), or it must be recomputed.
-    Events come in prompt order, or KV ones as they land (FetchRequest.order, ORDERS)."""
+    Events come in prompt order, or KV ones as they land (requests.FetchRequest.order, requests.ORDERS)."""
 
     event: ClassVar[str] = "chunk"
     i: int

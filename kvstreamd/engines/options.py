@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..limits import MODEL_META, speedup_deadline_ms
+from ..requests import FetchRequest
 
 # A lookup that takes longer than this is a miss: the request is computed as if there were no
 # connector. A lookup on the local socket takes about a millisecond.
@@ -59,6 +60,13 @@ class ConnectorOptions:
         if self.speedup is None:
             return self.deadline_ms
         return speedup_deadline_ms(tokens, self.recompute_tokens_per_s, self.speedup)
+
+    def fetch_request(self, tokens: list[int]) -> FetchRequest:
+        """What the connector asks its daemon for a prompt's prefix: KV first, TEXT only after
+        every KV chunk (vLLM cannot load KV after a hole)."""
+        return FetchRequest(self.model_id, list(tokens), deadline_ms=self.deadline_for(len(tokens)),
+                            levels=list(self.levels) if self.levels else None,
+                            recompute_tokens_per_s=self.recompute_tokens_per_s, text_last=True)
 
 
 def _check(key: str, value):

@@ -298,9 +298,7 @@ class KvstreamdConnector(KVConnectorBase_V1):
             return
         o = self.options
         try:
-            f = self._client(FETCH_IDLE_S).fetch(o.model_id, spec.tokens, o.deadline_for(len(spec.tokens)),
-                                         levels=list(o.levels) if o.levels else None,
-                                         recompute_tokens_per_s=o.recompute_tokens_per_s, text_last=True)
+            f = self._client(FETCH_IDLE_S).fetch(o.fetch_request(spec.tokens))
             f.wait()
         except (OSError, ClientError, ValueError) as e:
             self._fetched.put((spec, None, f"{type(e).__name__}: {e}"))

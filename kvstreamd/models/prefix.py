@@ -226,7 +226,7 @@ def prefix_kv(model, prompt: list[int], client: Client, model_id: str, *, deadli
     # A model on a GPU asks for the KV in device memory (the daemon decodes it on its GPU and
     # hands it over by CUDA IPC, or says why not and uses shared memory).
     try:
-        with client.fetch(model_id, prompt, deadline_ms, levels=levels, recompute_tokens_per_s=told,
+        with client.fetch(model_id, prompt, deadline_ms=deadline_ms, levels=levels, recompute_tokens_per_s=told,
                           device="cuda" if device.type == "cuda" else "cpu",
                           recompute_doubling_tokens=recompute_doubling_tokens, order="landed") as f:
             # A copy, always (even in the same dtype and device): the buffer is released on exit. Laid

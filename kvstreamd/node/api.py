@@ -29,10 +29,10 @@
                                      null. 507 disk_full/disk_error/store_full when a chunk could
                                      not be written or was refused: error.put is that reply.
                                      chunk_costs ([[end, last]] per chunk of the whole context,
-                                     codec.rate): each chunk is coded at the scale its costs give
+                                     codec.tuning.rate): each chunk is coded at the scale its costs give
                                      it at each level; without them, at the level's one scale.
                                      token_classes (base64 of uint8 [L, n], n >= the tokens, of the
-                                     whole context: codec.token_steps): each token's step class
+                                     whole context: codec.tuning.token_steps): each token's step class
                                      per layer, for a profile that takes them
     POST   /v1/fetch                 {model_id, tokens, deadline_ms?, dtype?, levels?, device?,
                                      recompute_tokens_per_s?, text_last?,
@@ -56,38 +56,23 @@ more than a few dozen characters of what the client sent."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
+import dataclasses
+import functools
 import json
 import logging
-from typing import Any, AsyncIterator, Protocol
+from typing import AsyncIterator, Protocol
 
 from aiohttp import web
 
-from codec import catalog
-from codec.errors import CodecError
-from codec.rate import ChunkCost
-
 from kvstreamd import events
-from kvstreamd.ops.diagnosis import MAX_PROBE_BYTES, MAX_PROBE_TIMEOUT_S, MIN_PROBE_BYTES, PROBE_BYTES, PROBE_TIMEOUT_S
-from kvstreamd.events import FetchRequest
 from kvstreamd.metrics import new_request_id
-from kvstreamd.routes import BY_NAME, ROUTES
 from kvstreamd.node.errors import RequestError
-from kvstreamd.handoff.shm import DTYPES
-from kvstreamd.limits import MAX_DEADLINE_MS  # also a bound on request fields
+from kvstreamd.requests import BadRequest, ContextRequest, FetchRequest, ProbeRequest, PutRequest, cut, parse, shown
+from kvstreamd.routes import BY_NAME, ROUTES, Route
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 * 2**20  # token lists of 100K+ tokens as JSON stay far below this
-# Bounds on request fields, checked at the door so that nothing out of range reaches the node.
-MAX_TOKENS = 2**20          # tokens in one request (a context a model can hold, and more)
-MAX_RECOMPUTE_TPS = 10**9   # tokens a second a model prefills
-MAX_DOUBLING_TOKENS = 10**9  # where a token's prefill costs twice its cost at the start of a prompt
-MAX_NAME = 512              # characters of a model id
-MAX_DIMS = 8                # dimensions of a put's KV shape
-MAX_DIM = 2**31             # one dimension of it
-MAX_MESSAGE = 1000          # characters of an error message (longer ones are cut)
 
 
 class Node(Protocol):
@@ -101,11 +86,9 @@ class Node(Protocol):
     async def contexts(self) -> list[dict]: ...
     async def delete_context(self, key: bytes) -> int: ...
     def peer_info(self) -> list[dict]: ...
-    async def lookup(self, model_id: str, tokens: list[int]) -> dict: ...
-    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None,
-                  token_classes: bytes | None = None) -> dict: ...
-    async def pin(self, model_id: str, tokens: list[int]) -> dict: ...
+    async def lookup(self, req: ContextRequest) -> dict: ...
+    async def put(self, req: PutRequest) -> dict: ...
+    async def pin(self, req: ContextRequest) -> dict: ...
     async def unpin(self, key: bytes) -> None: ...
     async def pins(self) -> list[dict]: ...
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]: ...
@@ -129,8 +112,8 @@ async def _errors(request: web.Request, handler):
     try:
         resp = await handler(request)
     except RequestError as e:
-        message = _cut(e.message)
-        log.info("%s %s -> %d %s: %s", request.method, _cut(request.path, 200), e.status, e.code, message)
+        message = cut(e.message)
+        log.info("%s %s -> %d %s: %s", request.method, cut(request.path, 200), e.status, e.code, message)
         node.record_error(f"api_{e.code}")
         return error_response(e.status, e.code, message, e.detail)
     except web.HTTPException as e:
@@ -140,156 +123,49 @@ async def _errors(request: web.Request, handler):
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:  # never let one request take the daemon down
-        log.error("%s %s failed: %s", request.method, _cut(request.path, 200), _cut(f"{type(e).__name__}: {e}"),
+        log.error("%s %s failed: %s", request.method, cut(request.path, 200), cut(f"{type(e).__name__}: {e}"),
                   exc_info=True)
         node.record_error("api_internal")
-        return error_response(500, "internal", _cut(f"{type(e).__name__}: {e}"))
+        return error_response(500, "internal", cut(f"{type(e).__name__}: {e}"))
     if isinstance(resp, web.StreamResponse):
         resp.headers.setdefault("X-Request-Id", rid)
     return resp
 
 
-# -- request fields ----------------------------------------------------------------------------
+# -- request bodies ----------------------------------------------------------------------------
 
 def _bad(message: str) -> RequestError:
     return RequestError(400, "bad_request", message)
-
-
-def _cut(text: str, limit: int = MAX_MESSAGE) -> str:
-    return text if len(text) <= limit else f"{text[:limit - 40]}... ({len(text)} characters)"
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    """A client's value as messages and the log show it: repr, cut to `limit` characters."""
-    if isinstance(value, (str, list, dict)) and len(value) > limit:  # no repr of a megabyte
-        value = value[:limit] if isinstance(value, (str, list)) else dict(list(value.items())[:4])
-        return f"{_cut(repr(value), limit)}..."
-    return _cut(repr(value), limit)
 
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-async def _body(request: web.Request) -> dict:
+async def _body(request: web.Request, kind: type):
+    """The request of type `kind` the body is (kvstreamd.requests.parse). A kind whose fields all
+    have defaults takes no body at all too."""
+    raw = await request.read()
+    if not raw and all(f.default is not dataclasses.MISSING for f in dataclasses.fields(kind)):
+        return kind()
     try:
-        body = json.loads(await request.read(), parse_constant=_no_constant)  # no NaN, Infinity
+        body = json.loads(raw, parse_constant=_no_constant)  # no NaN, Infinity
     except RecursionError:
         raise RequestError(400, "bad_json", "request body is not JSON this daemon reads: nested too deep") from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-        raise RequestError(400, "bad_json", f"request body is not JSON: {_cut(str(e), 200)}") from None
-    if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object")
-    return body
-
-
-def _field(body: dict, name: str, kind: type | tuple, default: Any = ..., ) -> Any:
-    if name not in body:
-        if default is ...:
-            raise _bad(f"missing field {name!r}")
-        return default
-    v = body[name]
-    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-        raise _bad(f"field {name!r} must be {getattr(kind, '__name__', kind)}")
-    return v
-
-
-def _number(body: dict, name: str, kind: type | tuple, lo: float, hi: float) -> Any:
-    """An optional number field within lo..hi (and finite)."""
-    v = _field(body, name, kind, None)
-    if v is not None and not lo <= v <= hi:  # NaN fails too
-        raise _bad(f"field {name!r} must be {lo}..{hi}, got {_shown(v)}")
-    return v
-
-
-def _model_id(body: dict) -> str:
-    model_id = _field(body, "model_id", str)
-    if not 0 < len(model_id) <= MAX_NAME:
-        raise _bad(f"field 'model_id' is {len(model_id)} characters; a model id is 1..{MAX_NAME}")
-    return model_id
-
-
-def _tokens(body: dict) -> list[int]:
-    toks = _field(body, "tokens", list)
-    if not toks:
-        raise _bad("field 'tokens' must not be empty")
-    if len(toks) > MAX_TOKENS:
-        raise _bad(f"field 'tokens' has {len(toks)} tokens; at most {MAX_TOKENS} a request")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in toks):
-        raise _bad("field 'tokens' must be a list of token ids (0 <= id < 2**32)")
-    return toks
-
-
-def _shape(body: dict) -> tuple[int, ...]:
-    shape = _field(body, "shape", list)
-    if not (len(shape) <= MAX_DIMS
-            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape)):
-        raise _bad(f"field 'shape' must be a list of at most {MAX_DIMS} sizes (0..{MAX_DIM}), "
-                   f"got {_shown(shape)}")
-    return tuple(shape)
-
-
-def _dtype(body: dict) -> str:
-    dtype = _field(body, "dtype", str, "float16")
-    if dtype not in DTYPES:
-        raise _bad(f"dtype must be one of {sorted(DTYPES)}, got {_shown(dtype)}")
-    return dtype
-
-
-def _chunk_costs(body: dict) -> list[ChunkCost] | None:
-    """Optional "chunk_costs": [[end, last], ...], what coding each chunk of the whole context
-    costs the model (codec.rate), from the first chunk on; a context put piece by piece sends
-    them all with every piece, so the list may run past the request's tokens (the node checks
-    that it covers them)."""
-    raw = _field(body, "chunk_costs", list, None)
-    if raw is None:
-        return None
-    if not raw or len(raw) > MAX_TOKENS:
-        raise _bad(f"field 'chunk_costs' must list one [end, last] per chunk, got {len(raw)}")
+        raise RequestError(400, "bad_json", f"request body is not JSON: {cut(str(e), 200)}") from None
     try:
-        return [ChunkCost.of(c) for c in raw]
-    except CodecError as e:
-        raise _bad(f"field 'chunk_costs': {e}") from None
-
-
-def _token_classes(body: dict) -> bytes | None:
-    """Optional "token_classes": base64 of the whole context's uint8 [L, n] classes
-    (codec.token_steps); the node checks their shape against the model and the tokens."""
-    raw = _field(body, "token_classes", str, None)
-    if raw is None:
-        return None
-    try:
-        return base64.b64decode(raw, validate=True)
-    except (binascii.Error, ValueError):
-        raise _bad("field 'token_classes' is not base64") from None
-
-
-def _levels(body: dict) -> list[str] | None:
-    """Optional: the levels this fetch accepts, best first (default: the configured ones). One
-    level alone means exactly that level for every chunk (what a baseline measurement wants)."""
-    levels = _field(body, "levels", list, None)
-    if levels is None:
-        return None
-    known = catalog.names()
-    if not levels or len(levels) > len(known) or not all(isinstance(lv, str) and lv in known for lv in levels):
-        raise _bad(f"levels must be a non-empty list of {known}; got {_shown(levels)}")
-    if len(set(levels)) < len(levels):
-        raise _bad(f"levels names a level twice: {_shown(levels)}")
-    return levels
+        return parse(kind, body)
+    except BadRequest as e:
+        raise _bad(str(e)) from None
 
 
 def fetch_request(body: dict) -> FetchRequest:
-    deadline_ms = _number(body, "deadline_ms", int, 1, MAX_DEADLINE_MS)
-    recompute_tps = _number(body, "recompute_tokens_per_s", (int, float), 1, MAX_RECOMPUTE_TPS)
-    device = _field(body, "device", str, "cpu")
-    if device not in ("cpu", "cuda"):
-        raise _bad(f'device must be "cpu" or "cuda", not {_shown(device)}')
-    order = _field(body, "order", str, "prompt")
-    if order not in events.ORDERS:
-        raise _bad(f"order must be one of {list(events.ORDERS)}, not {_shown(order)}")
-    return FetchRequest(_model_id(body), _tokens(body), _dtype(body), deadline_ms, _levels(body),
-                        recompute_tps, device, _field(body, "text_last", bool, False),
-                        _number(body, "recompute_doubling_tokens", (int, float), 1, MAX_DOUBLING_TOKENS), order)
+    """The FetchRequest of a POST /v1/fetch body (RequestError 400 for one that is not)."""
+    try:
+        return parse(FetchRequest, body)
+    except BadRequest as e:
+        raise _bad(str(e)) from None
 
 
 # -- handlers --------------------------------------------------------------------------------
@@ -308,12 +184,8 @@ def metrics_response(node: Node) -> web.Response:
                         headers={"X-Prometheus-Format": "0.0.4"})
 
 
-async def probe_peers(request: web.Request) -> web.Response:
-    body = await _body(request) if request.can_read_body else {}
-    size = _number(body, "bytes", int, MIN_PROBE_BYTES, MAX_PROBE_BYTES)
-    timeout_s = _number(body, "timeout_s", (int, float), 0.1, MAX_PROBE_TIMEOUT_S)
-    peers = await request.app[NODE].probe_peers(size or PROBE_BYTES, timeout_s or PROBE_TIMEOUT_S)
-    return web.json_response({"peers": peers})
+async def probe_peers(request: web.Request, req: ProbeRequest) -> web.Response:
+    return web.json_response({"peers": await request.app[NODE].probe_peers(req.bytes, req.timeout_s)})
 
 
 async def doctor(request: web.Request) -> web.Response:
@@ -348,29 +220,20 @@ async def ab(request: web.Request) -> web.Response:
     return web.json_response(request.app[NODE].ab())
 
 
-async def lookup(request: web.Request) -> web.Response:
-    body = await _body(request)
-    return web.json_response(await request.app[NODE].lookup(_model_id(body), _tokens(body)))
+async def lookup(request: web.Request, req: ContextRequest) -> web.Response:
+    return web.json_response(await request.app[NODE].lookup(req))
 
 
-async def put(request: web.Request) -> web.Response:
-    body = await _body(request)
-    model_id, tokens, dtype = _model_id(body), _tokens(body), _dtype(body)
-    name, shape = _field(body, "buffer", str), _shape(body)
-    start = _number(body, "start", int, 0, MAX_TOKENS) or 0
-    pin = _field(body, "pin", bool, False)
-    costs, classes = _chunk_costs(body), _token_classes(body)
-    return web.json_response(await request.app[NODE].put(model_id, tokens, name, shape, dtype, start, pin, costs,
-                                                         classes))
+async def put(request: web.Request, req: PutRequest) -> web.Response:
+    return web.json_response(await request.app[NODE].put(req))
 
 
 async def pins(request: web.Request) -> web.Response:
     return web.json_response({"pins": await request.app[NODE].pins()})
 
 
-async def pin(request: web.Request) -> web.Response:
-    body = await _body(request)
-    return web.json_response(await request.app[NODE].pin(_model_id(body), _tokens(body)))
+async def pin(request: web.Request, req: ContextRequest) -> web.Response:
+    return web.json_response(await request.app[NODE].pin(req))
 
 
 async def unpin(request: web.Request) -> web.Response:
@@ -379,10 +242,9 @@ async def unpin(request: web.Request) -> web.Response:
     return web.json_response({"unpinned": key.hex()})
 
 
-async def fetch(request: web.Request) -> web.StreamResponse:
+async def fetch(request: web.Request, req: FetchRequest) -> web.StreamResponse:
     """NDJSON, one event a line. The first event is awaited before the response starts, so that
     a request the node refuses (unknown model, stopping) still gets its 4xx/5xx status."""
-    req = fetch_request(await _body(request))
     stream = request.app[NODE].fetch(req)
     try:
         first = await anext(stream)
@@ -406,18 +268,31 @@ async def fetch(request: web.Request) -> web.StreamResponse:
 async def release_buffer(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if not request.app[NODE].release_buffer(name):
-        raise RequestError(404, "not_found", f"no buffer named {_shown(name, 300)} is held for a client")
+        raise RequestError(404, "not_found", f"no buffer named {shown(name, 300)} is held for a client")
     return web.json_response({"released": name})
 
 
 HANDLERS = {name: globals()[name] for name in (route.name for route in ROUTES)}  # each route's handler, by its name
 
 
+def _handler(route: Route):
+    """The route's handler; for a route that takes a body, called with the request its body
+    parses to (route.body), so that no handler reads a field itself."""
+    handler = HANDLERS[route.name]
+    if route.body is None:
+        return handler
+
+    @functools.wraps(handler)
+    async def parsed(request: web.Request) -> web.StreamResponse:
+        return await handler(request, await _body(request, route.body))
+    return parsed
+
+
 def make_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
     app[NODE] = node
     for route in ROUTES:
-        app.router.add_route(route.method, route.path, HANDLERS[route.name])
+        app.router.add_route(route.method, route.path, _handler(route))
     return app
 
 

@@ -14,19 +14,18 @@ import torch
 
 from codec.errors import CodecError
 from codec.profile import Profile
-from codec.rate import ChunkCost
 
 from kvstreamd import __version__, events
 from kvstreamd.cluster.directory import Directory
 from kvstreamd.cluster.peers import PeerManager
 from kvstreamd.coder import Coder
 from kvstreamd.config import Config
-from kvstreamd.events import FetchRequest
+from kvstreamd.requests import ContextRequest, FetchRequest, PutRequest
 from kvstreamd.features import Feature
 from kvstreamd.handoff.buffers import FetchBuffer
 from kvstreamd.metrics import Metrics
 from kvstreamd.node.errors import RequestError
-from kvstreamd.node.fetch import plan
+from kvstreamd.node.plan import plan
 from kvstreamd.node.fetches import Fetches
 from kvstreamd.node.leases import BufferLeases
 from kvstreamd.node.pins import Pins
@@ -84,16 +83,14 @@ class Node:
 
     # -- the work, in its parts ----------------------------------------------------------------
 
-    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None,
-                  token_classes: bytes | None = None) -> dict:
-        return await self.puts.put(model_id, tokens, buffer, shape, dtype, start, pin, costs, token_classes)
+    async def put(self, req: PutRequest) -> dict:
+        return await self.puts.put(req)
 
     def fetch(self, req: FetchRequest) -> AsyncIterator[events.Event]:
         return self.fetches.fetch(req)
 
-    async def pin(self, model_id: str, tokens: list[int]) -> dict:
-        return await self.lasting_pins.pin(model_id, tokens)
+    async def pin(self, req: ContextRequest) -> dict:
+        return await self.lasting_pins.pin(req.model_id, req.tokens)
 
     async def unpin(self, key: bytes) -> None:
         await self.lasting_pins.unpin(key)
@@ -128,11 +125,11 @@ class Node:
 
     # -- what the node holds and knows ---------------------------------------------------------
 
-    async def lookup(self, model_id: str, tokens: list[int]) -> dict:
-        self.profile_for(model_id)
-        p = await plan(self.store, self.directory, model_id, tokens, self.cfg.codec.chunk_tokens)
+    async def lookup(self, req: ContextRequest) -> dict:
+        self.profile_for(req.model_id)
+        p = await plan(self.store, self.directory, req.model_id, req.tokens, self.cfg.codec.chunk_tokens)
         tok = lambda n: p.bounds[n - 1][1] if n else 0  # noqa: E731
-        return {"prompt_tokens": len(tokens), "chunks": len(p.keys), "local_tokens": tok(p.local),
+        return {"prompt_tokens": len(req.tokens), "chunks": len(p.keys), "local_tokens": tok(p.local),
                 "peers": {peer: tok(n) for peer, n in p.peers.items()}, "found_tokens": p.found_tokens}
 
     async def contexts(self) -> list[dict]:

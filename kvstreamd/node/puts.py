@@ -10,11 +10,11 @@ from typing import Callable
 
 import numpy as np
 
-from codec import catalog, rate, token_steps
+from codec.tuning import catalog, rate, token_steps
 from codec.errors import CodecError
-from codec.parallel import WorkerLost
+from codec.pool.parallel import WorkerLost
 from codec.profile import Profile
-from codec.rate import ChunkCost
+from codec.tuning.rate import ChunkCost
 
 from kvstreamd.coder import Coder
 from kvstreamd.config import Config
@@ -22,11 +22,12 @@ from kvstreamd.handoff.shm import Reader as SegmentReader, ShmError
 from kvstreamd.metrics import Metrics
 from kvstreamd.node.errors import RequestError
 from kvstreamd.node.pins import Pins
+from kvstreamd.requests import PutRequest
 from kvstreamd.store.chunkfile import ChunkRecord
 from kvstreamd.store.keys import chunk_bounds, chunk_keys, chunk_ranges
 from kvstreamd.store.store import NO_ROOM, Store, StoreError
 
-log = logging.getLogger("kvstreamd.node")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,20 +64,20 @@ class Puts:
     def reconfigure(self, cfg: Config) -> None:
         self.levels = tuple(cfg.codec.levels)  # puts from now on
 
-    async def put(self, model_id: str, tokens: list[int], buffer: str, shape: tuple[int, ...], dtype: str,
-                  start: int = 0, pin: bool = False, costs: list[ChunkCost] | None = None,
-                  token_classes: bytes | None = None) -> dict:
-        """Store a context whose KV the client left in the shared-memory segment `buffer`. With
-        `start` (a multiple of chunk_tokens, below len(tokens)) the segment holds only the KV of
-        tokens[start:], and the chunks before it must be held here already: a long context is
-        put piece by piece, so that no one request needs all of its KV in memory at once. `pin`:
-        pin the whole context once stored (see pin()). `costs`: what coding each chunk of the
-        whole context costs the model (codec.rate), from its first chunk on; each chunk is then
-        coded at its own scale at each level, else at the level's one scale. `token_classes`: the
-        whole context's uint8 [L, n] step classes, raw (codec.token_steps), n >= len(tokens)."""
+    async def put(self, req: PutRequest) -> dict:
+        """Store a context whose KV the client left in the shared-memory segment `req.buffer`.
+        With `start` (a multiple of chunk_tokens, below len(tokens)) the segment holds only the
+        KV of tokens[start:], and the chunks before it must be held here already: a long context
+        is put piece by piece, so that no one request needs all of its KV in memory at once.
+        `pin`: pin the whole context once stored (see pin()). `chunk_costs`: what coding each
+        chunk of the whole context costs the model (codec.tuning.rate), from its first chunk on; each
+        chunk is then coded at its own scale at each level, else at the level's one scale.
+        `token_classes`: the whole context's uint8 [L, n] step classes, raw (codec.tuning.token_steps),
+        n >= len(tokens)."""
+        model_id, tokens, start, shape = req.model_id, req.tokens, req.start, req.shape
         prof = self.profile_for(model_id)
         ct = self.chunk_tokens
-        if pin:
+        if req.pin:
             self.pins.room_to_pin(chunk_keys(model_id, tokens, ct)[-1])  # before any encoding
         if start % ct or not 0 <= start < len(tokens):
             raise RequestError(400, "bad_start", f"start {start} must be a multiple of chunk_tokens ({ct}) "
@@ -91,10 +92,10 @@ class Puts:
             if missing is not None:
                 raise RequestError(409, "missing_prefix", f"chunk {missing} of the {len(prefix)} before start "
                                                           f"{start} is not held here: put them first")
-        scales = self._scales(prof, costs, len(chunk_bounds(len(tokens), ct)))
-        classes = _classes(prof, token_classes, len(tokens))
+        scales = self._scales(prof, req.chunk_costs, len(chunk_bounds(len(tokens), ct)))
+        classes = _classes(prof, req.token_classes, len(tokens))
         try:  # read by copy, never mapped: the client may truncate it under us (shm trap 4)
-            seg = SegmentReader.open(buffer, tuple(shape), dtype)
+            seg = SegmentReader.open(req.buffer, tuple(shape), req.dtype)
         except ShmError as e:
             raise RequestError(400, "bad_buffer", str(e)) from None
         t0 = time.perf_counter()
@@ -122,12 +123,12 @@ class Puts:
             raise RequestError(507, "disk_full" if full else "disk_error",
                                f"the store's disk {'is full' if full else 'fails'} ({out.disk_error}): "
                                f"{_where(placement)}", {"put": reply})
-        if pin:
+        if req.pin:
             reply["pinned"] = await self.pins.pin_keys(keys, {"put": reply})
         return reply
 
     def _scales(self, prof: Profile, costs: list[ChunkCost] | None, chunks: int) -> dict[str, list[float | None]]:
-        """Each stored level's scale for each chunk of the request (codec.rate), None where the
+        """Each stored level's scale for each chunk of the request (codec.tuning.rate), None where the
         level's own; RequestError for costs that do not cover the request's chunks."""
         if costs is None:
             return {level: [None] * chunks for level in self.levels}
@@ -191,7 +192,7 @@ class Puts:
 
 
 def _classes(prof: Profile, raw: bytes | None, tokens: int):
-    """A put's token classes as uint8 [L, tokens] (codec.token_steps), None without them;
+    """A put's token classes as uint8 [L, tokens] (codec.tuning.token_steps), None without them;
     RequestError for classes that do not fit the model or the tokens."""
     if raw is None:
         return None

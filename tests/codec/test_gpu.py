@@ -256,7 +256,7 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     from kvstreamd.metrics import Metrics
     from codec.layout import PrefixKV
     from kvstreamd.config import Config
-    from kvstreamd.events import FetchRequest
+    from kvstreamd.requests import FetchRequest
     from kvstreamd.node.fetch import FetchJob, plan
     from kvstreamd.node.options import FetchOptions
     from kvstreamd.store.chunkfile import ChunkRecord

@@ -9,7 +9,7 @@ import logging
 import tomllib
 
 from kvstreamd import config as config_mod
-from kvstreamd.events import FetchRequest
+from kvstreamd.requests import FetchRequest
 from kvstreamd.lab.daemons import _toml
 
 MiB = 2**20
