@@ -118,6 +118,12 @@ class Fetch(Message):
     # recompute_tps alone
     recompute_doubling: float | None = None
 
+    @classmethod
+    def ask(cls, keys: list[bytes], deadline_ms: int, levels: list[str], **options) -> Fetch:
+        """A FETCH to send (PeerConnection.fetch gives it its request id); `options`: the
+        optional fields above."""
+        return cls(0, list(keys), int(deadline_ms), list(levels), **options)
+
 
 @dataclass(frozen=True)
 class Chunk(Message):

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from codec import catalog
+from codec.tuning import catalog
 from kvstreamd.store.keys import chunk_keys
 from kvstreamd.lab import netns
 from transport import aio
+from transport.messages import Fetch
 from transport.bandwidth import BandwidthEstimator
 from transport.frames import text_wire_bytes
 from transport.policy import TEXT, adaptive_rule, cachegen_rule, fixed_rule
@@ -95,8 +96,9 @@ async def serve(args) -> None:
 
 
 async def fetch(args) -> None:
-    from codec import baselines, registry
-    from codec.parallel import CodecPool
+    from codec import baselines
+    from codec.tuning import registry
+    from codec.pool.parallel import CodecPool
 
     from kvstreamd import models
 
@@ -121,7 +123,7 @@ async def fetch(args) -> None:
         # when the data was prepared), so it can weigh decode time against link time.
         chunk_mb = manifest["chunks"][0]["bytes"]["fp16"] / 1e6
         decode_mbps = chunk_mb / statistics.median(c["decode_s"]["balanced"] for c in manifest["chunks"])
-        call = peer.fetch(keys, args.deadline_ms, levels, decode_mbps=decode_mbps)
+        call = peer.fetch(Fetch.ask(keys, args.deadline_ms, levels, decode_mbps=decode_mbps))
         decoded: list[asyncio.Future] = []
         got, nbytes = [], 0
 

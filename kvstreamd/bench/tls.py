@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from transport import aio, tls
+from transport.messages import Fetch
 from transport.bandwidth import BandwidthEstimator
 from transport.policy import fixed_rule
 from transport.send import send_chunks
@@ -65,7 +66,7 @@ async def _fetch(args) -> None:
     keys = [i.to_bytes(32, "big") for i in range(args.chunks)]
     t0, cpu0 = loop.time(), time.process_time()
     nbytes = 0
-    async for msg in peer.fetch(keys, 600_000, [LEVEL]):
+    async for msg in peer.fetch(Fetch.ask(keys, 600_000, [LEVEL])):
         nbytes += len(msg.payload)
     seconds, cpu = loop.time() - t0, time.process_time() - cpu0
     print(json.dumps({"seconds": seconds, "bytes": nbytes, "mbit_s": nbytes * 8 / seconds / 1e6, "receiver_cpu_s": cpu,

@@ -28,6 +28,7 @@ import sys
 import time
 
 from transport import aio
+from transport.messages import Fetch
 from transport.bandwidth import BandwidthEstimator
 from transport.policy import fixed_rule
 from transport.send import MIN_WINDOW, send_chunks
@@ -79,7 +80,7 @@ async def _fetch(args) -> None:
         t0 = loop.time()
         last = t0
         arrivals = []
-        async for msg in peer.fetch(keys, 600_000, [LEVEL]):
+        async for msg in peer.fetch(Fetch.ask(keys, 600_000, [LEVEL])):
             nbytes += len(msg.payload)
             last = loop.time()
             arrivals.append(round((last - t0) * 1000, 1))

@@ -18,9 +18,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from codec import bitstream as bs, catalog
+from codec import bitstream as bs
+from codec.tuning import catalog
 from codec.errors import CodecError
 from transport import aio
+from transport.messages import Chunk, Fetch
 
 from kvstreamd.cluster.admission import Refused, Wanted, admit
 from kvstreamd.store.chunkfile import ChunkRecord
@@ -32,7 +34,7 @@ from kvstreamd.metrics import Metrics, new_request_id
 from kvstreamd.cluster.peers import PeerManager
 from kvstreamd.store.store import Store, StoreError
 
-log = logging.getLogger("kvstreamd.prefetch")
+log = logging.getLogger(__name__)
 
 QUEUED = 16  # successor contexts waiting for the worker; the oldest are dropped when more come
 RECENT = 64  # receive times of the last prefetched chunks that /v1/status shows
@@ -285,7 +287,7 @@ class Prefetcher(Feature):
         prof = self.coder.profile_for(ctx.model_id)
         levels = list(cfg.codec.levels)
         keys = list(ctx.keys[start:end])
-        stream = conn.fetch(keys, cfg.prefetch.deadline_ms, levels, decode_mbps=self.coder.rate(),
+        stream = conn.fetch(Fetch.ask(keys, cfg.prefetch.deadline_ms, levels, decode_mbps=self.coder.rate()),
                             stall_s=cfg.fetch.stall_s, limit_s=2 * cfg.prefetch.deadline_ms / 1000)
         watch = asyncio.ensure_future(self._user_started.wait())
         cancels = []  # (held: a task nobody holds may be collected before it runs)
@@ -297,7 +299,7 @@ class Prefetcher(Feature):
                     return None  # already queued when a user fetch started: not taken, the cancel follows
                 self.received_at.append(time.time())
                 j = start + msg.i
-                if not hasattr(msg, "payload"):
+                if not isinstance(msg, Chunk):
                     return "failed"  # TEXT: the holder could not send it in time; the rest would not chain
                 admit(msg.payload, msg.level, Wanted.of(list(ctx.keys), list(ctx.bounds), j, prof, levels), msg.key)
                 if catalog.SCHEMES[msg.level].is_level:

@@ -20,13 +20,14 @@ from kvstreamd.cluster.directory import Directory
 from kvstreamd.cluster.peers import PeerManager
 from kvstreamd.coder import Coder
 from kvstreamd.config import Config
-from kvstreamd.events import FetchRequest
+from kvstreamd.requests import FetchRequest
 from kvstreamd.features import Feature, FetchBegan, FetchEnded
 from kvstreamd.handoff.buffers import FetchBuffer, HostBuffer, nbytes_of
 from kvstreamd.handoff.shm import SHM_DIR
 from kvstreamd.metrics import Metrics
 from kvstreamd.node.errors import RequestError
-from kvstreamd.node.fetch import FetchJob, Plan, plan
+from kvstreamd.node.fetch import FetchJob
+from kvstreamd.node.plan import Plan, plan
 from kvstreamd.node.leases import BufferLeases
 from kvstreamd.node.options import FetchOptions
 from kvstreamd.store.chunkfile import ChunkRecord

@@ -28,7 +28,7 @@ from kvstreamd.lab.daemons import DaemonProcess
 from tests.fixtures import (MODEL, SECRET, TEXT, ScriptedPeer, bounds, client, connected, context, decoded,
                              encoded, events_of, keys_of, sees, serve_chunks, stored, until)
 from transport import aio
-from transport.messages import KEY_BYTES as WIRE_KEY_BYTES, Advertise
+from transport.messages import Fetch, KEY_BYTES as WIRE_KEY_BYTES, Advertise
 
 MiB = 1 << 20
 CAP = 10_000  # the daemon process's [peer] max_keys_per_peer
@@ -282,7 +282,7 @@ async def test_a_daemon_sends_each_chunk_with_the_key_of_the_record_it_serves(in
         port = (await c.status())["peer_port"]
     conn = await aio.connect("127.0.0.1", port, "probe", SECRET)
     try:
-        got = [m async for m in conn.fetch(keys, 30_000, ["balanced", TEXT])]
+        got = [m async for m in conn.fetch(Fetch.ask(keys, 30_000, ["balanced", TEXT]))]
     finally:
         conn.close()
     assert [(m.i, m.key) for m in got] == list(enumerate(keys))

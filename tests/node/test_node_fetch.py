@@ -18,7 +18,7 @@ from tests.fixtures import (MODEL, SECRET, TEXT, ScriptedPeer, bounds, client, c
                             encoded, events_of, keys_of, sees, serve_chunks, stored, until)
 from kvstreamd.client import AsyncClient
 from transport import aio
-from transport.messages import Chunk, Text
+from transport.messages import Fetch, Chunk, Text
 
 async def _found(c: AsyncClient, tokens: list[int], n: int) -> bool:
     return (await c.lookup(MODEL, tokens))["found_tokens"] == n
@@ -461,7 +461,7 @@ async def test_a_node_serves_a_fetch_of_keys_it_holds_with_chunks_at_offered_lev
     conn = await raw_peer(a)
     try:
         offered = ["high", "balanced", "fast"]
-        stream = conn.fetch(keys, 30_000, offered + [TEXT])
+        stream = conn.fetch(Fetch.ask(keys, 30_000, offered + [TEXT]))
         got = [msg async for msg in stream]
     finally:
         conn.close()
@@ -479,10 +479,10 @@ async def test_a_fetch_for_keys_not_held_is_answered_not_found(inprocess):
     conn = await raw_peer(a)
     try:
         with pytest.raises(aio.FetchFailed) as e:
-            [m async for m in conn.fetch(keys[:1] + keys_of(list(range(9000, 9300)))[1:], 30_000, ["balanced", TEXT])]
+            [m async for m in conn.fetch(Fetch.ask(keys[:1] + keys_of(list(range(9000, 9300)))[1:], 30_000, ["balanced", TEXT]))]
         assert e.value.code == "not_found"
         # only that request ends: the connection still serves the next one
-        again = [m async for m in conn.fetch(keys[:1], 30_000, ["balanced", TEXT])]
+        again = [m async for m in conn.fetch(Fetch.ask(keys[:1], 30_000, ["balanced", TEXT]))]
         assert [m.i for m in again] == [0]
     finally:
         conn.close()
@@ -495,7 +495,7 @@ async def test_a_fetch_asking_exactly_one_level_gets_that_level_for_every_chunk(
     conn = await raw_peer(a)
     try:
         for level in ("high", "fast"):
-            got = [m async for m in conn.fetch(keys, 30_000, [level, TEXT])]
+            got = [m async for m in conn.fetch(Fetch.ask(keys, 30_000, [level, TEXT]))]
             assert [(m.i, getattr(m, "level", TEXT)) for m in got] == [(0, level), (1, level), (2, level)]
             for m, (s, e) in zip(got, bounds(600)):
                 assert torch.equal(codec.decode(m.payload), decoded(kv, small_profile, level, s, e))
@@ -509,7 +509,7 @@ async def test_a_fetch_offering_only_text_gets_every_chunks_token_ids(inprocess)
     keys = await stored(a, tokens, kv)
     conn = await raw_peer(a)
     try:
-        got = [m async for m in conn.fetch(keys, 30_000, [TEXT])]
+        got = [m async for m in conn.fetch(Fetch.ask(keys, 30_000, [TEXT]))]
     finally:
         conn.close()
     assert all(isinstance(m, Text) for m in got), got
@@ -526,7 +526,7 @@ async def test_a_fetch_for_a_level_the_node_does_not_store_is_answered_not_found
     try:
         with pytest.raises(aio.FetchFailed, match="chunk 0 .* is held here only at high, balanced, fast, "
                                                   "not at a level asked") as e:
-            [m async for m in conn.fetch(keys, 30_000, ["int8", TEXT])]
+            [m async for m in conn.fetch(Fetch.ask(keys, 30_000, ["int8", TEXT]))]
         assert e.value.code == "not_found"
     finally:
         conn.close()
@@ -559,7 +559,7 @@ def test_overlapping_decodes_share_the_clock_they_ran_in(monkeypatch):
 def test_a_fetchs_coded_decodes_are_one_sample_of_the_rate_it_tells(codec_pool):
     """Decodes with a tally (a fetch's) leave the told rate alone until the fetch observes
     their sum as one sample (kvstreamd/coder.py DecodeTally)."""
-    from codec import registry
+    from codec.tuning import registry
     from codec.profile import Profile
     from kvstreamd.coder import Coder, DecodeTally
     from tests.fixtures import synthetic_kv

@@ -270,7 +270,7 @@ async def _holder_with_a_context(inprocess, tokens: int = 768):
 
 async def _levels(conn, keys, **kw) -> list[str]:
     return [m.level if hasattr(m, "level") else "text"
-            async for m in conn.fetch(keys, 30_000, ["high", "balanced", "fast", "text"], **kw)]
+            async for m in conn.fetch(Fetch.ask(keys, 30_000, ["high", "balanced", "fast", "text"], **kw))]
 
 
 async def test_a_sender_uses_the_rule_a_fetch_names(inprocess):
@@ -314,7 +314,7 @@ async def test_a_daemon_pair_runs_both_arms_and_the_candidate_ladder_reaches_the
     chosen = ([t for t in contexts if arm_of(MODEL, t) == CANDIDATE][:3]
               + [t for t in contexts if arm_of(MODEL, t) == CONTROL][:3])
     assert len(chosen) == 6
-    caplog.set_level(logging.INFO, logger="kvstreamd.peers")
+    caplog.set_level(logging.INFO, logger="kvstreamd.cluster.serving")
     async with AsyncClient(a.cfg.api.socket, timeout=60) as ca, AsyncClient(b.cfg.api.socket, timeout=60) as cb:
         for i, toks in enumerate(chosen):
             await ca.put(MODEL, toks, synthetic_kv(512, seed=i).half())

@@ -20,6 +20,7 @@ from kvstreamd.store.chunkfile import ChunkRecord
 from kvstreamd.store.keys import chunk_keys
 from kvstreamd.store.store import Store
 from transport import aio
+from transport.messages import Fetch
 
 pytestmark = pytest.mark.system  # daemon processes, every test
 
@@ -145,7 +146,7 @@ class RssPeak(threading.Thread):
 async def fetch_whole(port: int, name: str, keys: list[bytes], crcs: list[int]) -> None:
     peer = await aio.connect("127.0.0.1", port, name, SECRET)
     try:
-        got = [(m.i, zlib.crc32(m.payload)) async for m in peer.fetch(keys, 120_000, ["balanced"])]
+        got = [(m.i, zlib.crc32(m.payload)) async for m in peer.fetch(Fetch.ask(keys, 120_000, ["balanced"]))]
     finally:
         peer.close()
     assert got == list(enumerate(crcs))  # every chunk, each its own bytes

@@ -17,6 +17,7 @@ from kvstreamd.config import ConfigError
 from kvstreamd.lab.certs import CA
 from transport import aio, tls
 from transport.protocol import State
+from transport.messages import Fetch
 
 SECRET = b"tls-test-cluster-secret"
 HOST = "127.0.0.1"
@@ -95,7 +96,7 @@ def test_a_tls_link_authenticates_both_ways_and_carries_fetches_and_pings(pki, l
         async with srv:
             peer = await asyncio.wait_for(aio.connect(HOST, srv.port, "cli", SECRET, ssl=b.client), LIMIT)
             keys = [bytes([i]) * 32 for i in range(len(PAYLOADS))]
-            got = [m async for m in peer.fetch(keys, 5000, ["high"])]
+            got = [m async for m in peer.fetch(Fetch.ask(keys, 5000, ["high"]))]
             assert [m.payload for m in got] == PAYLOADS
             assert await peer.ping() >= 0  # a PING answered over TLS (uvloop's clock ticks in ms)
             (served,) = srv.connected
@@ -137,7 +138,7 @@ def test_the_contexts_are_mutual_tls_1_2_at_least(pki):
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_client_with_a_certificate_from_another_ca_is_refused_before_any_frame(pki, loop, caplog):
     a, x = peer_tls(pki["a"]), peer_tls(pki["x"], pki["ca"].path)
-    caplog.set_level(logging.INFO, "kvstreamd.transport")
+    caplog.set_level(logging.INFO, "transport")
 
     async def main():
         async with await tls_server(a.server) as srv:
@@ -160,7 +161,7 @@ def test_a_client_without_a_certificate_is_refused(pki, loop, caplog):
     bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # trusts the CA, presents nothing
     bare.load_verify_locations(cafile=str(pki["ca"].path))
     bare.check_hostname = False
-    caplog.set_level(logging.INFO, "kvstreamd.transport")
+    caplog.set_level(logging.INFO, "transport")
 
     async def main():
         async with await tls_server(a.server) as srv:
@@ -179,7 +180,7 @@ def test_a_client_without_a_certificate_is_refused(pki, loop, caplog):
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_plaintext_client_to_a_tls_server_is_refused(pki, loop, caplog):
     a = peer_tls(pki["a"])
-    caplog.set_level(logging.INFO, "kvstreamd.transport")
+    caplog.set_level(logging.INFO, "transport")
 
     async def main():
         async with await tls_server(a.server) as srv:
@@ -196,7 +197,7 @@ def test_a_plaintext_client_to_a_tls_server_is_refused(pki, loop, caplog):
 
 def test_a_silent_client_is_refused_within_the_handshake_timeout(pki, caplog):
     a = peer_tls(pki["a"])
-    caplog.set_level(logging.INFO, "kvstreamd.transport")
+    caplog.set_level(logging.INFO, "transport")
 
     async def main():
         async with await tls_server(a.server, handshake_timeout=0.3) as srv:
@@ -328,7 +329,7 @@ async def test_two_daemons_fetch_over_tls_and_say_so_at_start_up(inprocess, pki,
     assert [ev.source for ev in events] == ["a"] * 3 and f.end.kv_tokens == 600
     conn = b.peers.connection("a")
     assert conn.tls == "TLSv1.3" and conn._transport.get_extra_info("ssl_object") is not None  # noqa: SLF001
-    said = [r.getMessage() for r in caplog.records if r.name == "kvstreamd.peers"]
+    said = [r.getMessage() for r in caplog.records if r.name == "kvstreamd.cluster.peers"]
     assert sum("peer links are TLS, mutually authenticated" in m and "kvstreamd test cluster CA" in m
                for m in said) == 2, said
 
@@ -358,7 +359,7 @@ async def test_a_daemon_with_a_certificate_from_another_ca_cannot_join(inprocess
 async def test_plaintext_says_at_start_up_what_it_does_not_protect(inprocess, caplog):
     caplog.set_level(logging.INFO)
     await inprocess(["a"])
-    warned = [r for r in caplog.records if r.name == "kvstreamd.peers" and r.levelno == logging.WARNING]
+    warned = [r for r in caplog.records if r.name == "kvstreamd.cluster.peers" and r.levelno == logging.WARNING]
     assert any("frames after the handshake are neither encrypted nor authenticated, so plaintext is for "
                "trusted networks only" in r.getMessage() for r in warned), [r.getMessage() for r in warned]
 

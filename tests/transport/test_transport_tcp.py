@@ -10,7 +10,7 @@ import pytest
 import uvloop
 
 from transport import aio, frames
-from transport.messages import Advertise, Chunk, Text
+from transport.messages import Fetch, Advertise, Chunk, Text
 from transport.protocol import (AUTH_FAILED, BAD_FRAME, CONNECTION_LOST, FRAME_TOO_LARGE,
                                 HANDSHAKE_TIMEOUT, INTERNAL, NOT_FOUND, Connection, State)
 
@@ -49,7 +49,7 @@ async def server():
 
 
 async def fetch_all(peer: aio.PeerConnection, keys: list[bytes], **kw) -> list:
-    return [m async for m in peer.fetch(keys, kw.get("deadline_ms", 5000), ["high"])]
+    return [m async for m in peer.fetch(Fetch.ask(keys, kw.get("deadline_ms", 5000), ["high"]))]
 
 
 def assert_complete(got: list, keys: list[bytes]) -> None:
@@ -138,7 +138,7 @@ async def test_oversize_frame_closes_only_that_connection(after_handshake):
 async def test_garbage_bytes_close_only_that_connection(server, after_handshake):
     async with asyncio.timeout(LIMIT):
         good = await aio.connect(HOST, server.port, "good", SECRET)
-        call = good.fetch(KEYS[:5], 5000, ["high"])
+        call = good.fetch(Fetch.ask(KEYS[:5], 5000, ["high"]))
         first = await anext(call)  # mid-call when the garbage arrives
         reader, writer, _ = await raw_client(server.port, handshake=after_handshake)
         writer.write(b"\x00\x00\x00\x08GARBAGE!")
@@ -175,7 +175,7 @@ async def test_server_dropping_a_connection_mid_stream_fails_only_that_fetch():
 
             async def victim_fetch() -> aio.FetchError:
                 with pytest.raises(aio.FetchInterrupted) as e:
-                    async for m in victim.fetch(KEYS[:6], 5000, ["high"]):
+                    async for m in victim.fetch(Fetch.ask(KEYS[:6], 5000, ["high"])):
                         got.append(m)
                 return e.value
 
@@ -194,7 +194,7 @@ async def test_client_vanishing_mid_stream_cancels_its_handler_and_others_contin
             leaver = await aio.connect(HOST, srv.port, "leaver", SECRET)
             stayer = await aio.connect(HOST, srv.port, "stayer", SECRET)
             staying = asyncio.ensure_future(fetch_all(stayer, KEYS[:8]))
-            async for _ in leaver.fetch(KEYS[8:16], 5000, ["high"]):
+            async for _ in leaver.fetch(Fetch.ask(KEYS[8:16], 5000, ["high"])):
                 leaver.abort()
                 break
             await cancelled.wait()
@@ -212,7 +212,7 @@ async def test_cancel_stops_the_stream_at_once_and_the_connection_stays_usable()
         async with await aio.serve(HOST, 0, "srv", SECRET,
                                    streaming_handler(pace=True, cancelled=cancelled)) as srv:
             peer = await aio.connect(HOST, srv.port, "cli", SECRET)
-            call = peer.fetch(KEYS[:20], 5000, ["high"])
+            call = peer.fetch(Fetch.ask(KEYS[:20], 5000, ["high"]))
             first = await anext(call)
             await call.cancel()
             with pytest.raises(aio.FetchCancelled):
@@ -237,7 +237,7 @@ async def test_a_fetch_from_a_peer_that_sends_nothing_stalls_after_stall_s_and_i
         async with await aio.serve(HOST, 0, "srv", SECRET, silent) as srv:
             peer = await aio.connect(HOST, srv.port, "cli", SECRET)
             t0 = asyncio.get_running_loop().time()
-            call = peer.fetch(KEYS[:3], 30_000, ["high"], stall_s=0.3)
+            call = peer.fetch(Fetch.ask(KEYS[:3], 30_000, ["high"]), stall_s=0.3)
             with pytest.raises(aio.FetchStalled, match="sent no whole chunk"):
                 await anext(call)
             assert 0.3 <= asyncio.get_running_loop().time() - t0 < 1.3
@@ -266,7 +266,7 @@ async def test_time_this_sides_loop_is_held_up_is_not_the_peers_silence():
         async with await aio.serve(HOST, 0, "srv", SECRET, held) as srv:
             peer = await aio.connect(HOST, srv.port, "cli", SECRET)
             got = []
-            async for m in peer.fetch(KEYS[:6], 30_000, ["high"], stall_s=0.3):
+            async for m in peer.fetch(Fetch.ask(KEYS[:6], 30_000, ["high"]), stall_s=0.3):
                 got.append(m)
                 if len(got) == 2:
                     loop = asyncio.get_running_loop()
@@ -294,7 +294,7 @@ async def test_a_fetch_still_moving_at_its_time_limit_times_out_and_is_cancelled
             t0 = asyncio.get_running_loop().time()
             got = []
             with pytest.raises(aio.FetchTimedOut):
-                async for m in peer.fetch(KEYS[:30], 30_000, ["high"], stall_s=0.3, limit_s=0.6):
+                async for m in peer.fetch(Fetch.ask(KEYS[:30], 30_000, ["high"]), stall_s=0.3, limit_s=0.6):
                     got.append(m)
             assert 0.6 <= asyncio.get_running_loop().time() - t0 < 1.6
             assert 2 <= len(got) < 30 and [m.i for m in got] == list(range(len(got)))
@@ -346,7 +346,7 @@ async def test_chunks_that_arrived_before_a_not_found_are_still_yielded():
     async with asyncio.timeout(LIMIT):
         async with await aio.serve(HOST, 0, "srv", SECRET, handler) as srv:
             peer = await aio.connect(HOST, srv.port, "cli", SECRET)
-            call = peer.fetch(KEYS[:4], 5000, ["high"])
+            call = peer.fetch(Fetch.ask(KEYS[:4], 5000, ["high"]))
             await sent.wait()
             while call.end is None and call._final is None:  # the ERROR is in: both chunks wait unread
                 await asyncio.sleep(0.01)
@@ -356,7 +356,7 @@ async def test_chunks_that_arrived_before_a_not_found_are_still_yielded():
                     got.append(m)
             assert e.value.code == NOT_FOUND and "chunk 2" in e.value.msg
             assert_complete(got, KEYS[:2])
-            call = peer.fetch(KEYS[:4], 5000, ["high"])
+            call = peer.fetch(Fetch.ask(KEYS[:4], 5000, ["high"]))
             first = await call.__anext__()
             await call.cancel()
             with pytest.raises(aio.FetchCancelled):
@@ -378,7 +378,7 @@ async def test_fetch_from_a_node_without_handler_is_not_found():
 async def test_a_passed_deadline_is_reported(server):
     async with asyncio.timeout(LIMIT):
         peer = await aio.connect(HOST, server.port, "cli", SECRET)
-        call = peer.fetch(KEYS[:2], 0, ["high"])
+        call = peer.fetch(Fetch.ask(KEYS[:2], 0, ["high"]))
         assert_complete([m async for m in call], KEYS[:2])
         assert call.end is not None and call.end.deadline_missed
         peer.close()
@@ -399,7 +399,7 @@ async def test_twenty_concurrent_streams_on_four_connections_deliver_every_byte(
 async def test_a_fetcher_that_does_not_read_pushes_back_on_the_sender(server):
     async with asyncio.timeout(LIMIT):
         peer = await aio.connect(HOST, server.port, "cli", SECRET, max_buffered_bytes=300_000)
-        call = peer.fetch(KEYS[:20], 5000, ["high"])
+        call = peer.fetch(Fetch.ask(KEYS[:20], 5000, ["high"]))
         while not peer.reading_paused:  # nobody reads: reading stops, TCP fills up
             await asyncio.sleep(0.005)
         assert_complete([m async for m in call], KEYS[:20])
