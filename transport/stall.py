@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["FINE", "STALLED", "TIMED_OUT", "Verdict", "StallClock", "WriteStall",
-           "MIN_PROGRESS_BYTES_PER_S", "LOOP_LAG_S", "MIN_WAIT_S"]
+           "MIN_PROGRESS_BYTES_PER_S", "LOOP_LAG_S", "MIN_WAIT_S", "DEFAULT_WRITE_STALL_S"]
 
 # What a verdict says: the fetch may go on, or how it ends (these are also the codes of the
 # two endings a fetcher gives a fetch itself, sending CANCEL for both).
@@ -27,6 +27,11 @@ MIN_PROGRESS_BYTES_PER_S = 16 * 1024
 LOOP_LAG_S = 0.1
 # The shortest sleep between two looks: a check due now or just past still yields to the loop.
 MIN_WAIT_S = 0.001
+# A connection whose write buffer is over the transport's high-water mark and has not shrunk
+# for this long is ended (code write_stalled, never sent) and its buffer dropped: a peer that
+# stopped reading (SIGSTOPped, wedged) holds no more of our memory than was queued by then.
+# The daemon's [peer] write_stall_s.
+DEFAULT_WRITE_STALL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -120,9 +125,14 @@ class WriteStall:
     once the buffer has not shrunk for `stall_s` (the peer reads nothing). Looked at every
     quarter of stall_s, as shrinking is seen only by looking."""
 
-    def __init__(self, stall_s: float, size: int, now: float):
+    def __init__(self, stall_s: float = DEFAULT_WRITE_STALL_S):
         self.stall_s = stall_s
-        self._mark = (now, size)  # (when, write buffer bytes) the buffer last shrank, or writing paused
+        self._mark = (0.0, 0)  # (when, write buffer bytes) the buffer last shrank, or writing paused
+        self._looked = 0.0
+
+    def on_paused(self, size: int, now: float) -> None:
+        """Writing paused at `now` with `size` bytes in the write buffer: the stall counts from here."""
+        self._mark = (now, size)
         self._looked = now
 
     def verdict(self, size: int, now: float) -> Verdict:

@@ -181,7 +181,8 @@ def test_a_look_due_now_still_sleeps_a_little():
 # -- the write-stall rule -------------------------------------------------------------------------
 
 def test_a_write_buffer_that_has_not_shrunk_for_stall_s_has_stalled():
-    ws = WriteStall(1.0, size=5000, now=0.0)
+    ws = WriteStall(1.0)
+    ws.on_paused(5000, 0.0)
     assert ws.next_check() == pytest.approx(0.25)  # looked at every quarter of stall_s
     assert ws.verdict(5000, 0.25).what == FINE
     assert ws.verdict(6000, 0.5).what == FINE  # grew (a CANCEL, a PONG): not taken
@@ -192,7 +193,8 @@ def test_a_write_buffer_that_has_not_shrunk_for_stall_s_has_stalled():
 
 
 def test_a_write_buffer_that_shrinks_starts_the_write_stall_over():
-    ws = WriteStall(1.0, size=5000, now=0.0)
+    ws = WriteStall(1.0)
+    ws.on_paused(5000, 0.0)
     assert ws.verdict(4000, 0.75).what == FINE  # a slow reader takes bytes
     assert ws.verdict(4000, 1.5).what == FINE
     assert ws.verdict(4000, 1.75).what == STALLED
