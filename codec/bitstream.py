@@ -12,9 +12,9 @@ A chunk holds every layer of its profile, or (LAYER_SUBSET) the profile layers i
 a fetch of a hybrid model's prefix moves for chunks outside its sliding layers' window.
 `select` cuts such a chunk out of a whole one without decoding anything.
 TOKEN_STEPS: each token of a layer has a class, its step that of its stream times
-2**(class / 2) (codec/token_steps.py); each of the layer's two substreams is then a u32 length
-and a lane rANS block per class present in the layer, in class order, a block holding the
-class's tokens in token order.
+2**(class / 2) (codec/steps.py; the classes: codec/tuning/token_steps.py); each of the layer's
+two substreams is then a u32 length and a lane rANS block per class present in the layer, in
+class order, a block holding the class's tokens in token order.
 Transform bits say how the chunk was made: keys un-rotated, PCA, anchor/delta, exact sink
 rows, and which entropy coder wrote the substreams -- RANS: lane rANS (codec/rans.py, what the
 levels use), else constriction's ANS (codec/entropy.py; chunks stored before lane rANS, and
@@ -40,9 +40,9 @@ DELTA = 4
 SINK = 8
 RANS = 16  # entropy coder: lane rANS (codec/rans.py); without it, constriction's ANS
 LAYER_SUBSET = 32  # the chunk holds only the profile layers it lists
-TOKEN_STEPS = 64  # per-(layer, token) step classes (codec/token_steps.py)
+TOKEN_STEPS = 64  # per-(layer, token) step classes (codec/steps.py, codec/tuning/token_steps.py)
 KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK | RANS | LAYER_SUBSET | TOKEN_STEPS
-TOP_CLASS = 6  # the coarsest token class: steps x 2**(6/2) = 8 (codec/token_steps.py)
+TOP_CLASS = 6  # the coarsest token class: steps x 2**(6/2) = 8 (codec/steps.py)
 
 DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}

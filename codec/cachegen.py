@@ -1,58 +1,70 @@
-"""encode(): CacheGen's steps composed in the paper's order -- transform, quantize,
-entropy-code -- per (layer, K/V) substream, each independent of the others. The inverse is
-codec/decoder.py's."""
+"""encode(): CacheGen's steps composed in the paper's order, per (layer, K/V) substream, each
+independent of the others; the inverse is codec/decoder.py's. One stream of a chunk:
+
+    x [T, H, D] of (layer, K/V)
+      -> the sink rows, kept exact               (bitstream.sink_rows: the header's sink section)
+      -> un-rotate the keys' RoPE                (rope.unrotate; UNROTATE_KEYS)
+      -> PCA: channels [n, H*D] -> components     (pca.forward, the profile's basis; PCA)
+      -> quantize at each symbol's step          (steps.stream_steps, quantize.quantize)
+      -> rANS, a block per token class           (rans.encode_block; RANS, TOKEN_STEPS)
+      -> bytes                                   (bitstream.pack: header + substreams)
+
+or, at CacheGen's own levels (DELTA), raw channels -> anchors and deltas (anchor) -> quantized
+at each channel's sigma -> constriction's coder (entropy). What a chunk is coded with (its
+level's transforms, its streams' steps, its token classes) comes in as a value, steps.Coding:
+tuning chooses it (codec.tuning.named: `codec.encode(kv, "balanced", profile)` by a level's name).
+"""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from . import anchor, bitstream as bs, entropy, levels, pca, rans, rope, token_steps
+from . import anchor, bitstream as bs, entropy, pca, rans, rope
 from .profile import Profile
 from .quantize import dequantize, quantize
+from .steps import Coding, check_classes, class_step, stream_steps
 
 
-def encode(kv: torch.Tensor, level: str | levels.Level = "balanced", profile: Profile | None = None,
-           start: int = 0, scale: float | None = None, token_classes: np.ndarray | None = None) -> bytes:
+def encode(kv: torch.Tensor, coding: Coding, profile: Profile, start: int = 0) -> bytes:
     """Compress one chunk of KV [L, 2, T, H, D] (fp16, bf16 or fp32) whose first token sits at
-    absolute position `start`; `scale`: the chunk's own step scale (codec.rate.scales), else the
-    level's; `token_classes`: uint8 [L, T], its tokens' step classes (codec.token_steps), used
-    where the profile and level take them. Pure CPU work that holds the GIL: never call it on
-    an event loop."""
-    if kv.dim() != 5 or kv.shape[1] != 2:
-        raise ValueError(f"KV must be [L, 2, T, H, D], got {tuple(kv.shape)}")
-    if kv.dtype not in bs.DTYPE_CODES:
-        raise ValueError(f"KV dtype {kv.dtype} not supported (fp16, bf16, fp32)")
-    lv = levels.get(level)
+    absolute position `start`, coded as `coding` says (module docstring). Pure CPU work that
+    holds the GIL: never call it on an event loop."""
+    check(kv)
     L, _, T, H, D = kv.shape
-    if T == 0:
-        raise ValueError("cannot encode an empty chunk")
-    if profile is None:
-        raise ValueError("encode needs the model's profile (codec.registry.for_model(model_id))")
     profile.check_shape(L, H, D)
-    h = header_of(kv, lv, profile, start, scale, token_classes)
+    h = header_of(kv, coding, profile, start)
     angles = key_angles(h.transforms, start, h.sink_tokens, T, profile)
-    h.substreams = [encode_stream(kv[layer, k_or_v], layer, k_or_v, h.transforms, h.steps, lv.anchor_step, start,
+    h.substreams = [encode_stream(kv[layer, k_or_v], layer, k_or_v, h.transforms, h.steps, h.anchor_step, start,
                                   h.sink_tokens, profile, angles, layer_classes(h, layer))
                     for layer in range(L) for k_or_v in range(2)]
     return bs.pack(h)
 
 
-def header_of(kv: torch.Tensor, lv: levels.Level, profile: Profile, start: int,
-              scale: float | None = None, token_classes: np.ndarray | None = None) -> bs.Header:
-    """The header of chunk kv [L, 2, T, H, D] coded at `lv` (at `scale`, if given) with `profile`
-    from position `start`, its substreams still to fill in: the transforms, sink rows, steps and
-    token classes they are coded with, and what the bitstream says of itself (its layers among
-    them). Every encoder (encode, codec.parallel's pool) builds it here, so their chunks cannot
-    differ. Token classes a level or profile does not take are dropped."""
+def check(kv: torch.Tensor) -> None:
+    """ValueError unless kv is a chunk the codec takes: [L, 2, T, H, D], T > 0, fp16, bf16 or fp32."""
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"KV must be [L, 2, T, H, D], got {tuple(kv.shape)}")
+    if kv.dtype not in bs.DTYPE_CODES:
+        raise ValueError(f"KV dtype {kv.dtype} not supported (fp16, bf16, fp32)")
+    if kv.shape[2] == 0:
+        raise ValueError("cannot encode an empty chunk")
+
+
+def header_of(kv: torch.Tensor, coding: Coding, profile: Profile, start: int) -> bs.Header:
+    """The header of chunk kv [L, 2, T, H, D] coded as `coding` with `profile` from position
+    `start`, its substreams still to fill in: the transforms, sink rows, steps and token classes
+    they are coded with, and what the bitstream says of itself (its layers among them). Every
+    encoder (encode, codec.pool.parallel's pool) builds it here, so their chunks cannot differ.
+    Token classes are kept only where the transforms take them (rANS) and rows follow the sink."""
     L, _, T, H, D = kv.shape
-    transforms = transforms_for(lv, profile)
+    transforms = transforms_for(coding.transforms, profile)
     ns = bs.sink_rows(start, profile.sink_tokens, T, transforms)
     sink = kv[:, :, :ns].contiguous().view(torch.uint8).numpy().tobytes() if ns else b""
     classes = None
-    if token_classes is not None and token_steps.applies(lv, profile) and transforms & bs.RANS and T > ns:
-        classes = np.ascontiguousarray(token_steps.check(token_classes, L, T)[:, ns:])
-    return bs.Header(transforms, lv.code, kv.dtype, L, H, D, T, start, profile.id, profile.group,
-                     ns, lv.steps(profile, scale), lv.anchor_step, memoryview(sink), [], layer_ids_of(profile),
+    if coding.token_classes is not None and transforms & bs.RANS and T > ns:
+        classes = np.ascontiguousarray(check_classes(coding.token_classes, L, T)[:, ns:])
+    return bs.Header(transforms, coding.level, kv.dtype, L, H, D, T, start, profile.id, profile.group,
+                     ns, coding.steps, coding.anchor_step, memoryview(sink), [], layer_ids_of(profile),
                      classes)
 
 
@@ -61,10 +73,10 @@ def layer_classes(h: bs.Header, layer: int) -> np.ndarray | None:
     return None if h.token_classes is None else h.token_classes[layer]
 
 
-def transforms_for(lv: levels.Level, profile: Profile) -> int:
-    """The level's transforms, less key un-rotation for a model whose rotary scheme the codec
+def transforms_for(transforms: int, profile: Profile) -> int:
+    """A level's transforms, less key un-rotation for a model whose rotary scheme the codec
     cannot invert (its profile says so)."""
-    return lv.transforms if profile.unrotates_keys else lv.transforms & ~bs.UNROTATE_KEYS
+    return transforms if profile.unrotates_keys else transforms & ~bs.UNROTATE_KEYS
 
 
 def layer_ids_of(profile: Profile) -> tuple[int, ...] | None:
@@ -99,8 +111,7 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
     if transforms & bs.DELTA:
         mean = torch.from_numpy(profile.tensors["chan_mean"][layer, k_or_v])
         xc = x - mean
-        a_step = torch.from_numpy(profile.tensors["anchor_sigma"][layer, k_or_v]) * anchor_step
-        d_step = torch.from_numpy(profile.tensors["delta_sigma"][layer, k_or_v]) * step
+        d_step, a_step = stream_steps(profile, transforms, layer, k_or_v, step, anchor_step)
         a_sym = quantize(xc[anchor.anchor_rows(n, profile.group)], a_step)
         a_hat = dequantize(a_sym, a_step)
         d_sym = quantize(anchor.deltas(xc, a_hat, profile.group), d_step)
@@ -108,7 +119,7 @@ def encode_stream(x: torch.Tensor, layer: int, k_or_v: int, transforms: int, ste
                                       (d_sym, profile.models("delta", layer, k_or_v, step))])
     sym = transformed_symbols(x, layer, k_or_v, transforms, step, profile, classes)
     if classes is not None:  # a block per class, each with its step's models (bitstream.TOKEN_STEPS)
-        return bs.join_classes([rans.encode_block(sym[rows], profile.rans_models(layer, k_or_v, token_steps.class_step(step, c)))
+        return bs.join_classes([rans.encode_block(sym[rows], profile.rans_models(layer, k_or_v, class_step(step, c)))
                                 for c, rows in bs.class_blocks(classes)])
     if transforms & bs.RANS:
         return rans.encode_block(sym, profile.rans_models(layer, k_or_v, step))
@@ -131,29 +142,23 @@ def transformed_symbols(x: torch.Tensor, layer: int, k_or_v: int, transforms: in
                         profile: Profile, classes: np.ndarray | None = None) -> np.ndarray:
     """Channels x [n, C] of one stream -> its quantized symbols [n, C] (int32): PCA components
     at their steps (each token's times its class's multiplier, where it has classes), or the
-    channels at one step."""
+    channels at one step (steps.stream_steps)."""
     if transforms & bs.PCA:
         x = pca.forward(x, torch.from_numpy(profile.tensors["pca_mean"][layer, k_or_v]), profile.basis(layer, k_or_v),
                         profile.channel_scale(layer, k_or_v))
-        steps = profile.component_steps(layer, k_or_v, step)
-        if classes is not None:
-            steps = steps[None] * torch.from_numpy(token_steps.multipliers(classes))[:, None]
-        return quantize(x, steps)
-    return quantize(x, torch.tensor(step))
+    return quantize(x, stream_steps(profile, transforms, layer, k_or_v, step, 0.0, classes).symbols)
 
 
-def roundtrip(kv: torch.Tensor, level: str | levels.Level, profile: Profile, start: int = 0,
-              scale: float | None = None, token_classes: np.ndarray | None = None) -> torch.Tensor:
-    """What decode(encode(kv, level, profile, start, scale, token_classes)) gives, without the entropy coder
-    either way (the same symbols, through the decoder's own inverse): what coding a chunk does
-    to it, for a probe that prices it (kvstreamd.models.rate_probe). Levels without the
-    entropy coder's lossless step between them (anchor/delta) are refused."""
+def roundtrip(kv: torch.Tensor, coding: Coding, profile: Profile, start: int = 0) -> torch.Tensor:
+    """What decode(encode(kv, coding, profile, start)) gives, without the entropy coder either
+    way (the same symbols, through the decoder's own inverse): what coding a chunk does to it,
+    for a probe that prices it (kvstreamd.models.rate_probe). Levels without the entropy
+    coder's lossless step between them (anchor/delta) are refused."""
     from .decoder import for_profile, fill_sink  # the inverse is the decoder's: one definition
 
-    lv = levels.get(level)
-    h = header_of(kv, lv, profile, start, scale, token_classes)
+    h = header_of(kv, coding, profile, start)
     if h.transforms & bs.DELTA:
-        raise ValueError(f"roundtrip() takes the PCA levels, not {lv.name}")
+        raise ValueError(f"roundtrip() takes the PCA levels, not anchor/delta (level code {h.level})")
     angles = key_angles(h.transforms, start, h.sink_tokens, kv.shape[2], profile)
     sym = np.stack([transformed_symbols(_channels(kv[layer, k_or_v], layer, k_or_v, h.transforms, start,
                                                   h.sink_tokens, profile, angles),

@@ -16,14 +16,16 @@ import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
-from . import anchor, bitstream as bs, entropy, levels, pca, rans, registry, rope, token_steps
+from . import anchor, bitstream as bs, entropy, pca, rans, rope
 from .errors import CodecError
 from .profile import Profile
 from .quantize import dequantize
+from .steps import Coding, class_step, multipliers
 
 # On the CPU, the streams transformed together hold at most this many bytes of float32
 # symbols, so that the GEMM's input and output and the rotation's passes stay in cache. A
@@ -35,17 +37,21 @@ CPU_SLAB_BYTES = 1 << 20
 # first); a table larger than it is never kept, and each slab scales its own.
 TABLE_BUDGET = {"cpu": 64 << 20, "cuda": 2 << 30}
 ROPE_BUDGET = {"cpu": 8 << 20, "cuda": 256 << 20}  # RoPE tables, by bytes, newest kept
-# Each token class's step multiplier (codec.token_steps), as the float32 the symbols are scaled by.
-MULTIPLIERS = [float(m) for m in token_steps.multipliers(np.arange(bs.TOP_CLASS + 1, dtype=np.uint8))]
+# Each token class's step multiplier (codec.steps), as the float32 the symbols are scaled by.
+MULTIPLIERS = [float(m) for m in multipliers(np.arange(bs.TOP_CLASS + 1, dtype=np.uint8))]
 DECODERS_KEPT = 4  # for_profile: decoders kept, one per profile, least recently used dropped
 
 
-def read(data: bytes | memoryview, profile: Profile | None = None, check_crc: bool = True) -> tuple[bs.Header, Profile]:
-    """Validate a bitstream and find its profile (the one given, or the registry's), restricted
-    to the layers the chunk holds (Profile.subset) where it holds only some."""
+def read(data: bytes | memoryview, profile: Profile | None = None, check_crc: bool = True,
+         find: Callable[[bytes], Profile] | None = None) -> tuple[bs.Header, Profile]:
+    """Validate a bitstream and find its profile (the one given, else `find` of the id the chunk
+    names: codec.tuning.registry.find, which codec.decode passes), restricted to the layers the
+    chunk holds (Profile.subset) where it holds only some."""
     h = bs.unpack(data, check_crc)
     if profile is None or profile.id != h.profile_id:
-        profile = registry.find(h.profile_id)
+        if find is None:
+            raise CodecError(f"bitstream was coded with profile {h.profile_id.hex()}, not the one given")
+        profile = find(h.profile_id)
     if h.layer_ids is not None or profile.meta.get("subset_of"):
         profile = profile.whole().subset(h.held_layers())
     _check(h, profile)
@@ -191,31 +197,30 @@ class Decoder:
                 self._rope.popitem(last=False)
         return tables
 
-    def warm(self, level: str | levels.Level, streams: range | None = None) -> None:
-        """Build what decoding `level` needs ahead of the first chunk (its entropy models for
-        `streams` only, where given: a pool worker's share; at each token class's steps too,
-        codec.token_steps: built at a chunk's first use, they held the last chunk of a 16K
-        Gemma-3 fetch 0.39 s)."""
-        lv = levels.get(level)
-        steps = lv.steps(self.profile)
-        self.tables(steps, pca_bases=bool(lv.transforms & bs.PCA),
-                    lane_models=bool(self.lanes is not None and lv.transforms & bs.RANS))
+    def warm(self, coding: Coding, streams: range | None = None, classes: Iterable[int] = (0,)) -> None:
+        """Build what decoding chunks coded as `coding` needs ahead of the first one (its
+        entropy models for `streams` only, where given: a pool worker's share; at each token
+        class in `classes` too, codec.steps: built at a chunk's first use, they held the last
+        chunk of a 16K Gemma-3 fetch 0.39 s). By a level's name: codec.tuning.named.warm."""
+        steps = coding.steps
+        self.tables(steps, pca_bases=bool(coding.transforms & bs.PCA),
+                    lane_models=bool(self.lanes is not None and coding.transforms & bs.RANS))
         for s in range(2 * self.profile.layers) if streams is None else streams:
             layer, kv = divmod(s, 2)
             step = float(steps[layer, kv])
-            if lv.transforms & bs.DELTA:
-                self.profile.models("anchor", layer, kv, lv.anchor_step)
+            if coding.transforms & bs.DELTA:
+                self.profile.models("anchor", layer, kv, coding.anchor_step)
                 self.profile.models("delta", layer, kv, step)
-            elif lv.transforms & bs.RANS:  # and each token class's steps where the level has them
-                for c in token_steps.rule_classes(lv, self.profile):
-                    self.profile.rans_models(layer, kv, token_steps.class_step(step, c))
+            elif coding.transforms & bs.RANS:  # and each token class's steps where the level has them
+                for c in classes:
+                    self.profile.rans_models(layer, kv, class_step(step, c))
             else:
                 self.profile.models("pca", layer, kv, step)
 
     # -- the inverse transforms, shared by every device ----------------------------------------
     def _channels(self, h: bs.Header, t: StepTables, sym: torch.Tensor, s0: int, alpha: float = 1.0) -> torch.Tensor:
         """Component-major values [S, C, n] (float32) of streams s0.. -> channels [S, n, C];
-        `alpha`: a multiplier on every step (PCA streams: a class of tokens', codec.token_steps)."""
+        `alpha`: a multiplier on every step (PCA streams: a class of tokens', codec.steps)."""
         S, C, n = sym.shape
         if not h.transforms & bs.PCA:
             x = torch.empty((S, n, C), dtype=torch.float32, device=sym.device)
@@ -297,7 +302,7 @@ class Decoder:
         blocks = h.class_blocks(layer)
         out = []
         for (c, rows), data in zip(blocks, bs.split_classes(h.substreams[s], len(blocks))):
-            sym, _ = rans.decode_block(data, len(rows), self.profile.rans_models(layer, kv, token_steps.class_step(step, c)))
+            sym, _ = rans.decode_block(data, len(rows), self.profile.rans_models(layer, kv, class_step(step, c)))
             values = torch.from_numpy(sym.view(np.float32))
             values.copy_(torch.from_numpy(sym))  # converted in place, as _slab does
             out.append((c, rows, values))
@@ -445,11 +450,13 @@ def for_profile(profile: Profile) -> Decoder:
         return dec
 
 
-def decode(data: bytes | memoryview, profile: Profile | None = None) -> torch.Tensor:
-    """Decompress one chunk on the CPU to [L, 2, T, H, D] in the dtype it was encoded from.
+def decode(data: bytes | memoryview, profile: Profile | None = None,
+           find: Callable[[bytes], Profile] | None = None) -> torch.Tensor:
+    """Decompress one chunk on the CPU to [L, 2, T, H, D] in the dtype it was encoded from; its
+    profile: `profile`, else `find` (read()).
 
     Raises CodecError for damaged, truncated, foreign or mismatched input."""
-    h, profile = read(data, profile)
+    h, profile = read(data, profile, find=find)
     out = torch.empty(h.shape, dtype=h.dtype)
     for_profile(profile).decode_streams(h, range(2 * h.layers), out)
     fill_sink(h, out)

@@ -9,4 +9,4 @@ class CodecError(ValueError):
 
 class ProfileError(CodecError):
     """No profile to code a model with: none found for it, or a named file that does not load
-    or is another model's (codec.registry.for_model)."""
+    or is another model's (codec.tuning.registry.for_model)."""

@@ -54,7 +54,7 @@ def to_channels(symbols: torch.Tensor, means: torch.Tensor, scaled: torch.Tensor
     times their steps, rotated back, plus the mean -> channels [S, T, C]. means [S * blocks, 1,
     b] and scaled [S * blocks, b, b] (scaled_bases) on the symbols' device: one batched GEMM
     with the step, the transpose and the mean folded in; `alpha`: a multiplier on every step
-    (a class of tokens' under per-token steps, codec.token_steps), folded in too."""
+    (a class of tokens' under per-token steps, codec.steps), folded in too."""
     S, C, n = symbols.shape
     b = scaled.shape[-1]
     nb = C // b

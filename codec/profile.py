@@ -150,6 +150,11 @@ class Profile:
         stream) and the base steps it sets at the profile's kl_budget; the profile's id changes."""
         self.tensors["sensitivity"] = np.asarray(sensitivity, np.float32).reshape(self.layers, 2)
         self.tensors["base_step"] = quantize.equal_slope_steps(self.tensors["sensitivity"], float(self.meta["kl_budget"]))
+        self.changed()
+
+    def changed(self) -> None:
+        """Its meta or tensors were changed in place: its id, the hash of its bytes, is taken
+        afresh (codec.tuning.tuned.write)."""
         self._id = None
 
     def channel_scale(self, layer: int, kv: int) -> torch.Tensor | None:
@@ -342,7 +347,7 @@ def fit(samples: list[tuple[torch.Tensor, int]], *, model_id: str, sensitivity: 
     None or its sliding window (samples hold every layer's every token: see models.prefill).
 
     sensitivity[l, kv]: KL per unit of per-element squared error in that stream (measured
-    with the model by kvstreamd.calibrate); it sets the base steps at kl_budget.
+    with the model by kvstreamd.lab.calibrate); it sets the base steps at kl_budget.
     channel_weight[l, kv, c]: how much an error in channel c counts relative to the stream's
     other channels (for keys, the queries' energy in that rotary pair; for values, the output
     projection's column norms). `weighted` (the default): the rotation is fitted to the channels

@@ -27,6 +27,7 @@ import http.client
 import json
 import os
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -216,7 +217,74 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = s
 
 
-class Client:
+@dataclass(frozen=True)
+class _Call:
+    """One call of a route: its path parameters, its request (kvstreamd.requests) and the key
+    of the reply's object that the method returns (None: the whole reply)."""
+
+    route: str
+    body: Any = None
+    params: dict = field(default_factory=dict)
+    pick: str | None = None
+
+
+class _Routes:
+    """The routes that are one request and one reply, once for both clients: each method is
+    what `_run` makes of its call (Client: the reply; AsyncClient: a coroutine of it)."""
+
+    def _run(self, call: _Call) -> Any:
+        raise NotImplementedError
+
+    def health(self) -> dict:
+        return self._run(_Call("healthz"))
+
+    def status(self) -> dict:
+        return self._run(_Call("status"))
+
+    def metrics(self) -> str:
+        return self._run(_Call("metrics"))
+
+    def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
+        """Each connected peer's round trip, bandwidth and clock offset, measured now (bounded)."""
+        given = {k: v for k, v in (("bytes", nbytes), ("timeout_s", timeout_s)) if v is not None}
+        return self._run(_Call("probe_peers", ProbeRequest(**given), pick="peers"))
+
+    def doctor(self) -> dict:
+        return self._run(_Call("doctor"))
+
+    def contexts(self) -> list[dict]:
+        return self._run(_Call("contexts", pick="contexts"))
+
+    def delete_context(self, key: str) -> int:
+        return self._run(_Call("delete_context", params={"key": key}, pick="deleted_chunks"))
+
+    def peers(self) -> list[dict]:
+        return self._run(_Call("peers", pick="peers"))
+
+    def ab(self) -> dict:
+        """GET /v1/ab: the policy experiment in force and the latest fetch outcomes."""
+        return self._run(_Call("ab"))
+
+    def lookup(self, model_id: str, tokens: list[int]) -> dict:
+        return self._run(_Call("lookup", ContextRequest(model_id, list(tokens))))
+
+    def pin(self, model_id: str, tokens: list[int]) -> dict:
+        """Pin the context held for these tokens: the daemon's eviction passes it over until
+        unpin() or delete_context(). ClientError pin_refused over [store] pin_budget."""
+        return self._run(_Call("pin", ContextRequest(model_id, list(tokens))))
+
+    def unpin(self, key: str) -> None:
+        return self._run(_Call("unpin", params={"key": key}, pick="unpinned"))
+
+    def pins(self) -> list[dict]:
+        return self._run(_Call("pins", pick="pins"))
+
+
+def _picked(call: _Call, reply: Any) -> Any:
+    return reply if call.pick is None else reply[call.pick]
+
+
+class Client(_Routes):
     """Blocking client (one HTTP connection per call)."""
 
     def __init__(self, socket_path: str | Path | None = None, timeout: float | None = 600.0):
@@ -241,37 +309,9 @@ class Client:
             _raise_for(resp.status, raw)
         return json.loads(raw) if resp.headers.get_content_type() == "application/json" else raw.decode()
 
-    def health(self) -> dict:
-        return self._call(*request("healthz"))
-
-    def status(self) -> dict:
-        return self._call(*request("status"))
-
-    def metrics(self) -> str:
-        return self._call(*request("metrics"))
-
-    def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
-        """Each connected peer's round trip, bandwidth and clock offset, measured now (bounded)."""
-        return self._call(*request("probe_peers"), _probe_body(nbytes, timeout_s))["peers"]
-
-    def doctor(self) -> dict:
-        return self._call(*request("doctor"))
-
-    def contexts(self) -> list[dict]:
-        return self._call(*request("contexts"))["contexts"]
-
-    def delete_context(self, key: str) -> int:
-        return self._call(*request("delete_context", key=key))["deleted_chunks"]
-
-    def peers(self) -> list[dict]:
-        return self._call(*request("peers"))["peers"]
-
-    def ab(self) -> dict:
-        """GET /v1/ab: the policy experiment in force and the latest fetch outcomes."""
-        return self._call(*request("ab"))
-
-    def lookup(self, model_id: str, tokens: list[int]) -> dict:
-        return self._call(*request("lookup"), to_body(ContextRequest(model_id, list(tokens))))
+    def _run(self, call: _Call) -> Any:
+        body = None if call.body is None else to_body(call.body)
+        return _picked(call, self._call(*request(call.route, **call.params), body))
 
     def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0, pin: bool = False,
             costs: list[list[float]] | None = None, token_classes: Any = None) -> dict:
@@ -293,17 +333,6 @@ class Client:
             with seg, _summing(reply):
                 reply = _summed(reply, self._call(*request("put"), to_body(req)))
         return reply
-
-    def pin(self, model_id: str, tokens: list[int]) -> dict:
-        """Pin the context held for these tokens: the daemon's eviction passes it over until
-        unpin() or delete_context(). ClientError pin_refused over [store] pin_budget."""
-        return self._call(*request("pin"), to_body(ContextRequest(model_id, list(tokens))))
-
-    def unpin(self, key: str) -> None:
-        self._call(*request("unpin", key=key))
-
-    def pins(self) -> list[dict]:
-        return self._call(*request("pins"))["pins"]
 
     def fetch(self, req: FetchRequest | str, tokens: list[int] | None = None, **options: Any) -> Fetch:
         """Start a fetch of `req` (a kvstreamd.requests.FetchRequest), or of a model id and its
@@ -398,11 +427,6 @@ def _share_with_daemon(name: str) -> None:
         pass
 
 
-def _probe_body(nbytes: int | None, timeout_s: float | None) -> dict:
-    given = {k: v for k, v in (("bytes", nbytes), ("timeout_s", timeout_s)) if v is not None}
-    return to_body(ProbeRequest(**given))
-
-
 def fetch_request(req: FetchRequest | str, tokens: list[int] | None, options: dict) -> FetchRequest:
     """`req` itself, or the FetchRequest of a model id, its tokens and FetchRequest's other
     fields as keywords (dtype a torch dtype too)."""
@@ -462,8 +486,9 @@ class AsyncFetch(_FetchState):
         await self.release(exc_type is not None)
 
 
-class AsyncClient:
-    """asyncio client over one aiohttp session (close() it, or use `async with`)."""
+class AsyncClient(_Routes):
+    """asyncio client over one aiohttp session (close() it, or use `async with`); the methods are
+    Client's, as coroutines."""
 
     def __init__(self, socket_path: str | Path | None = None, timeout: float | None = 600.0):
         import aiohttp
@@ -487,36 +512,9 @@ class AsyncClient:
                 _raise_for(resp.status, raw)
             return json.loads(raw) if resp.content_type == "application/json" else raw.decode()
 
-    async def health(self) -> dict:
-        return await self._call(*request("healthz"))
-
-    async def status(self) -> dict:
-        return await self._call(*request("status"))
-
-    async def metrics(self) -> str:
-        return await self._call(*request("metrics"))
-
-    async def probe_peers(self, nbytes: int | None = None, timeout_s: float | None = None) -> list[dict]:
-        return (await self._call(*request("probe_peers"), _probe_body(nbytes, timeout_s)))["peers"]
-
-    async def doctor(self) -> dict:
-        return await self._call(*request("doctor"))
-
-    async def contexts(self) -> list[dict]:
-        return (await self._call(*request("contexts")))["contexts"]
-
-    async def delete_context(self, key: str) -> int:
-        return (await self._call(*request("delete_context", key=key)))["deleted_chunks"]
-
-    async def peers(self) -> list[dict]:
-        return (await self._call(*request("peers")))["peers"]
-
-    async def ab(self) -> dict:
-        """GET /v1/ab: the policy experiment in force and the latest fetch outcomes."""
-        return await self._call(*request("ab"))
-
-    async def lookup(self, model_id: str, tokens: list[int]) -> dict:
-        return await self._call(*request("lookup"), to_body(ContextRequest(model_id, list(tokens))))
+    async def _run(self, call: _Call) -> Any:
+        body = None if call.body is None else to_body(call.body)
+        return _picked(call, await self._call(*request(call.route, **call.params), body))
 
     async def put(self, model_id: str, tokens: list[int], kv: torch.Tensor, start: int = 0,
                   pin: bool = False, costs: list[list[float]] | None = None, token_classes: Any = None) -> dict:
@@ -528,15 +526,6 @@ class AsyncClient:
             with seg, _summing(reply):
                 reply = _summed(reply, await self._call(*request("put"), to_body(req)))
         return reply
-
-    async def pin(self, model_id: str, tokens: list[int]) -> dict:
-        return await self._call(*request("pin"), to_body(ContextRequest(model_id, list(tokens))))
-
-    async def unpin(self, key: str) -> None:
-        await self._call(*request("unpin", key=key))
-
-    async def pins(self) -> list[dict]:
-        return (await self._call(*request("pins")))["pins"]
 
     async def fetch(self, req: FetchRequest | str, tokens: list[int] | None = None, **options: Any) -> AsyncFetch:
         resp = await self._send(*request("fetch"), to_body(fetch_request(req, tokens, options)))

@@ -12,14 +12,15 @@ from typing import Iterator
 
 import torch
 
-from codec import baselines, catalog, levels as codec_levels, registry
+from codec import baselines
+from codec.tuning import catalog, levels as codec_levels, registry
 from codec.errors import CodecError
-from codec.parallel import CodecPool, WorkerLost
+from codec.pool.parallel import CodecPool, WorkerLost
 from codec.profile import Profile
 
 log = logging.getLogger(__name__)
 
-# What one core decodes at the entropy-coded levels (codec.catalog): a prior for the first
+# What one core decodes at the entropy-coded levels (codec.tuning.catalog): a prior for the first
 # FETCH, replaced by what this host measures.
 PRIOR_MBPS_PER_WORKER = catalog.DECODE_MBPS_PER_CORE
 # A decode of less fp16 than this (MB) is mostly hand-over overhead: not timed into the rate.
@@ -109,7 +110,7 @@ class Coder:
 
     def profile_for(self, model_id: str) -> Profile:
         """The configured profile if it is for model_id, else the registry's (the user folder's,
-        else the shipped one: codec.registry); CodecError if none."""
+        else the shipped one: codec.tuning.registry); CodecError if none."""
         if self.profile is not None and self.profile.model_id == model_id:
             return self.profile
         return registry.for_model(model_id)
@@ -165,8 +166,8 @@ class Coder:
     def encode(self, kv: torch.Tensor, level: str, profile: Profile, start: int, scale: float | None = None,
                token_classes=None) -> bytes:
         """Blocking: one chunk at one level (named codec level or baseline scheme); `scale`: the
-        chunk's own step scale at a codec level (codec.rate), else the level's; `token_classes`:
-        uint8 [L, T], its tokens' step classes (codec.token_steps), where the put has them."""
+        chunk's own step scale at a codec level (codec.tuning.rate), else the level's; `token_classes`:
+        uint8 [L, T], its tokens' step classes (codec.tuning.token_steps), where the put has them."""
         if not catalog.get(level).is_level:
             return baselines.SCHEMES[level].encode(kv)
         return self.pool.encode(kv, level, profile, start, scale, token_classes)

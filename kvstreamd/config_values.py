@@ -294,7 +294,7 @@ def _peers(value, where, ctx) -> tuple[tuple[str, int], ...]:
 def _levels(value, where, ctx) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise _wrong_type(value, where, "an array of level names")
-    from codec import catalog  # lazily: codec imports torch
+    from codec.tuning import catalog  # lazily: codec imports torch
 
     known = catalog.names()
     if not value:

@@ -4,7 +4,7 @@ and config, the vLLM connector (engines/) and the harness import them from here.
 arithmetic, it imports nothing, so the connector inside a serving engine pays nothing for it.
 
 A fact that codec/ or transport/ needs too lives there instead (below kvstreamd): the TEXT level
-name in `codec.catalog`, the KV dtypes in `codec.bitstream`."""
+name in `codec.tuning.catalog`, the KV dtypes in `codec.bitstream`."""
 from __future__ import annotations
 
 # A fetch's deadline is at most an hour: the API's bound on a request's deadline_ms, [fetch] and

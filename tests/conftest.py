@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from codec import profile as profiles, registry
+from codec import profile as profiles
+from codec.tuning import registry
 from tests.fixtures import SMALL, is_system_fixture, synthetic_kv, system_fixture
 
 # What makes a test a `system` test (pyproject.toml's markers) is what it uses, not where it lives:
@@ -52,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def user_profile_folder(tmp_path_factory) -> Path:
-    """The session's user profile folder (codec.registry), empty: profiles a developer calibrated
+    """The session's user profile folder (codec.tuning.registry), empty: profiles a developer calibrated
     for themselves do not change what the tests code with. In os.environ, so codec workers and
     daemon processes inherit it; a test points it elsewhere with monkeypatch."""
     path = tmp_path_factory.mktemp("user-profiles")
@@ -94,7 +95,7 @@ def codec_pool():
     """One codec pool of one worker for every in-process daemon of the session (Daemon's
     codec_pool): its worker imports torch once, not once a test; each daemon teaches it its
     profile (CodecPool.add_profile) and leaves it running when it stops."""
-    from codec.parallel import CodecPool
+    from codec.pool.parallel import CodecPool
 
     pool = CodecPool(1)
     yield pool

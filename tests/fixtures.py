@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 import codec
-from codec import catalog
-from codec import profile as profiles, registry
+from codec.tuning import catalog
+from codec import profile as profiles
+from codec.tuning import registry
 from kvstreamd.client import AsyncClient
 from kvstreamd.store.chunkfile import ChunkRecord
 from kvstreamd.store.keys import chunk_keys

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import codec
-from codec import profile as profiles, registry
+from codec import profile as profiles
+from codec.tuning import registry
 from kvstreamd import cli
 from kvstreamd.bench import profile_and_pool
 from tests.fixtures import synthetic_kv

@@ -12,11 +12,11 @@ import numpy as np
 TEXT = "text"  # the token ids, for the receiver to recompute
 
 # Each level's quality cost (Δppl %) is data the caller passes in (Situation.dppl): it is
-# measured per model and kept in codec.catalog, not here.
+# measured per model and kept in codec.tuning.catalog, not here.
 
 # Δppl points within which a plan counts as good as the best fitting one when it recomputes
 # fewer chunks, and a level as near-lossless once the deadline is lost: about what Δppl on a few
-# hundred scored tokens can tell apart (codec.catalog), and recompute takes the receiver's
+# hundred scored tokens can tell apart (codec.tuning.catalog), and recompute takes the receiver's
 # compute, which is what kvstreamd saves. Of the levels' expected costs (a profile's
 # level_dppl), SmolLM2's and Gemma-3's `high` (0.155, 0.149) are within it and `balanced`
 # (0.361, 0.357) is not.

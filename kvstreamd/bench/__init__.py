@@ -19,11 +19,11 @@ def write_json(report: dict, json_path: str | None) -> None:
 
 def profile_and_pool(model_id: str, profile_path: str | Path | None = None, workers: int | None = None):
     """What a benchmark that codes in-process codes model_id's KV with: the profile
-    (codec.registry.for_model: the file `profile_path`, its --profile, where one is given, else
+    (codec.tuning.registry.for_model: the file `profile_path`, its --profile, where one is given, else
     the user folder's, else the shipped one) and a CodecPool of `workers` (default: one per
     core) whose workers are handed that profile's file. (profile, pool): close the pool."""
-    from codec import registry
-    from codec.parallel import CodecPool
+    from codec.tuning import registry
+    from codec.pool.parallel import CodecPool
 
     profile = registry.for_model(model_id, profile_path)
     return profile, CodecPool(workers, profile_paths=(profile.path,) if profile.path else ())
@@ -35,7 +35,7 @@ def profile_keys(model_id: str, profile_path: str | Path | None) -> dict:
     `[codec] profile` is not for with the registry's choice), or {} without one."""
     if profile_path is None:
         return {}
-    from codec import registry
+    from codec.tuning import registry
 
     registry.for_model(model_id, profile_path)
     return {"profile": str(Path(profile_path).absolute())}

@@ -23,7 +23,8 @@ CHUNK_TOKENS = 256  # the daemons' chunk size in bench vllm and e2e
 def coded(kv: torch.Tensor, scheme: str, profile, chunk_tokens: int) -> tuple[torch.Tensor, int]:
     """kv [L, 2, T, H, D] fp16 after coding each chunk at `scheme`, and the coded bytes."""
     import codec
-    from codec import baselines, catalog
+    from codec import baselines
+    from codec.tuning import catalog
 
     parts, size = [], 0
     for start in range(0, kv.shape[2], chunk_tokens):
@@ -46,7 +47,7 @@ def first_change(reference: list[int], got: list[int]) -> int | None:
 def run(tokens: int = 4096, docs: int = 30, schemes: list[str] | None = None, new_tokens: int = 8,
         chunk_tokens: int = CHUNK_TOKENS, model: str | None = None, profile: str | None = None,
         json_path: str | None = None, log=print) -> dict:
-    from codec import catalog, registry
+    from codec.tuning import catalog, registry
 
     schemes = list(schemes or SCHEMES)
     for name in schemes:

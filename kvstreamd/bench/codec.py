@@ -21,15 +21,16 @@ import numpy as np
 import torch
 
 import codec
-from codec import baselines, bitstream as bs, rate, registry, token_steps
-from codec.levels import LEVELS
+from codec import baselines, bitstream as bs
+from codec.tuning import rate, registry, token_steps
+from codec.tuning.levels import LEVELS
 
 from .. import models
 from ..models import rate_probe, token_weight
 from ..lab import corpus, quality
 from . import profile_and_pool, write_json
 
-# cachegen:LEVEL codes each chunk at the scale its own costs give it (codec.rate, as the daemon
+# cachegen:LEVEL codes each chunk at the scale its own costs give it (codec.tuning.rate, as the daemon
 # does for a put that brings them); cachegen:LEVEL/fixed at the level's one scale, as before.
 SCHEMES = ["fp16", "int8", "kivi2", "zstd-fp16", "cachegen-paper", "cachegen:max", "cachegen:high", "cachegen:balanced",
            "cachegen:fast", "cachegen:high/fixed", "cachegen:balanced/fixed", "cachegen:fast/fixed"]
@@ -40,7 +41,7 @@ class _Ours:
     def __init__(self, level: str, profile, per_chunk: bool):
         self.level, self.profile, self.per_chunk = level, profile, per_chunk
         self.scales: list[float | None] = []  # the case's chunks' scales (rate control), set per case
-        self.classes = None  # the case's token classes [L, T] (codec.token_steps), set per case
+        self.classes = None  # the case's token classes [L, T] (codec.tuning.token_steps), set per case
 
     def for_case(self, costs: list, weights) -> None:
         self.scales = rate.scales(self.level, self.profile, costs) if self.per_chunk else [None] * len(costs)
@@ -195,7 +196,7 @@ def _measure(lm, profile, pool, schemes: list[str], cases: list[_Case], chunk_to
 
 
 def _class_spread(classes) -> dict:
-    """What per-token steps did to a scheme's tokens (codec.token_steps): the share of
+    """What per-token steps did to a scheme's tokens (codec.tuning.token_steps): the share of
     (layer, token)s in each class and the mean multiplier on their steps."""
     share = np.bincount(classes, minlength=bs.TOP_CLASS + 1) / classes.size
     return {"class_share": [round(float(x), 4) for x in share],

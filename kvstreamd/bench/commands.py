@@ -202,7 +202,7 @@ def _bench_scale(args: argparse.Namespace) -> int:
 
 def profile_option(sp: argparse.ArgumentParser) -> None:
     """--profile, for a command that codes the model's KV (itself, or in the daemons it starts,
-    as their [codec] profile): codec.registry's precedence."""
+    as their [codec] profile): codec.tuning.registry's precedence."""
     sp.add_argument("--profile", metavar="PATH", default=None,
                     help="the codec profile file to code with, the model's (default: the model's newest in the "
                          "user profile folder, $KVSTREAMD_PROFILE_DIR or ~/.local/share/kvstreamd/profiles, "

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from codec.levels import LADDER
+from codec.tuning.levels import LADDER
 
 from .. import models
 from ..limits import MAX_DEADLINE_MS

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from codec import gpu, profile as profiles, registry, rope
-from codec.parallel import CodecPool
+from codec import gpu, profile as profiles, rope
+from codec.tuning import registry, tuned
+from codec.pool.parallel import CodecPool
 
 from . import write_json
 
@@ -60,7 +61,7 @@ class SyntheticKV:
 
     def __init__(self, source: profiles.Profile, layers: int, heads: int, head_dim: int, seed: int = 0):
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
-        self.kl_budget, self.level_scales = float(source.meta["kl_budget"]), dict(source.meta["level_scales"])
+        self.kl_budget, self.level_scales = float(source.meta["kl_budget"]), tuned.Tuning.of(source).level_scales
         L, C = layers, heads * head_dim
         t = source.tensors
         self.sigma = torch.from_numpy(np.exp(_resample(_resample(np.log(t["pca_sigma"]), L, 0), C, 2))).float()
@@ -110,7 +111,7 @@ class SyntheticKV:
         prof = profiles.fit(samples, model_id=f"synthetic-L{self.layers}-H{self.heads}-D{self.head_dim}",
                             rope_theta=ROPE_THETA, sensitivity=sens, kl_budget=self.kl_budget,
                             source=f"kvstreamd.bench.gpu synthetic, {tokens} tokens")
-        prof.meta["level_scales"] = dict(self.level_scales)  # before prof.id is first taken
+        tuned.write(prof, level_scales=dict(self.level_scales))
         return prof
 
 

@@ -24,7 +24,7 @@ PORT = 9400
 def _dppl_table(codec_json: Path) -> dict[str, float]:
     """Measured Δppl per level from the codec benchmark, when it has been run; the catalog's
     figures otherwise."""
-    from codec import catalog
+    from codec.tuning import catalog
 
     table = catalog.dppl_table(catalog.names())
     if codec_json.is_file():

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from codec import baselines
-from codec.parallel import CodecPool
+from codec.pool.parallel import CodecPool
 
 from .. import models
 from ..lab import corpus

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from codec import baselines, bitstream as bs, catalog, levels as codec_levels, registry
+from codec import baselines, bitstream as bs
+from codec.tuning import catalog, levels as codec_levels, registry
 from codec.errors import CodecError
 from codec.profile import Profile
 

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from codec import catalog
+from codec.tuning import catalog
 from transport import aio
 from transport.messages import Advertise, Message, Withdraw
 

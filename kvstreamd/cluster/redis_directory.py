@@ -44,7 +44,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from codec import catalog
+from codec.tuning import catalog
 from kvstreamd.config import ConfigError, DirectoryConfig, parse_hostport
 from kvstreamd.cluster.directory import Directory, Held, Holders
 from kvstreamd.metrics import Metrics

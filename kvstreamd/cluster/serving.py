@@ -11,8 +11,9 @@ import collections
 import logging
 from typing import Callable
 
-from codec import catalog, select_layers
-from codec import levels as codec_levels
+from codec import select_layers
+from codec.tuning import catalog
+from codec.tuning import levels as codec_levels
 from codec.errors import CodecError
 from codec.layout import Layout
 from codec.profile import Profile

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from codec import catalog
+from codec.tuning import catalog
 
 MAX_SOURCES = 4  # holders one fetch pulls from at once
 SAFETY = 0.8  # of the deadline's time a needed level's guessed bytes may fill

@@ -13,14 +13,15 @@ import numpy as np
 import torch
 
 import codec
-from codec import profile as profiles, rate, token_steps
-from codec.levels import LADDER, LEVELS
+from codec import profile as profiles
+from codec.tuning import rate, token_steps, tuned
+from codec.tuning.levels import LADDER, LEVELS
 
 from .. import models
 from ..models import rate_probe, token_weight
 from . import corpus, quality
 
-# The floors each level must hold on held-out text of every kind (codec.levels, Level.kl_floor).
+# The floors each level must hold on held-out text of every kind (codec.tuning.levels, Level.kl_floor).
 LEVEL_KL_FLOORS = {name: LEVELS[name].kl_floor for name in LADDER}
 # What each level aims for on the tuning text, on its worst kind (see tune_levels): the floor
 # with a margin, for held-out text of a kind that is harder than the tuning text of that kind.
@@ -65,7 +66,7 @@ class Case(NamedTuple):
     weights: np.ndarray | None = None  # [L, T]: how much the probes read each token (models.token_weight)
 
     def classes(self, profile) -> np.ndarray | None:
-        """Its tokens' step classes with `profile` (codec.token_steps), None where it takes none."""
+        """Its tokens' step classes with `profile` (codec.tuning.token_steps), None where it takes none."""
         return token_steps.classes_for(self.weights, profile)
 
 
@@ -73,7 +74,7 @@ def chunked_roundtrip(kv: torch.Tensor, level, profile, chunk_tokens: int = CHUN
                       scales: list[float] | None = None, token_classes: np.ndarray | None = None
                       ) -> tuple[torch.Tensor, int]:
     """Encode and decode kv chunk by chunk as the daemon stores it, each chunk at its own scale
-    if `scales` (codec.rate) says, each token at its own step where `token_classes` ([L, T] of
+    if `scales` (codec.tuning.rate) says, each token at its own step where `token_classes` ([L, T] of
     the whole context) are given; returns (decoded, bytes)."""
     parts, nbytes = [], 0
     for i, start in enumerate(range(0, kv.shape[2], chunk_tokens)):
@@ -299,7 +300,7 @@ def tune_levels(lm, profile, cases, log: Callable[[str], None] = print) -> dict[
 
 
 def chunk_costs(lm, profile, cases: dict[str, list], log: Callable[[str], None] = print) -> dict[str, list]:
-    """kind -> each case's chunk costs (models.rate_probe), what codec.rate sets a chunk's scale from."""
+    """kind -> each case's chunk costs (models.rate_probe), what codec.tuning.rate sets a chunk's scale from."""
     costs = {}
     for kind, kind_cases in cases.items():
         log(f"probing each chunk of the {kind} tuning contexts")
@@ -308,8 +309,8 @@ def chunk_costs(lm, profile, cases: dict[str, list], log: Callable[[str], None] 
 
 
 def tune_targets(lm, profile, cases: dict[str, list], log: Callable[[str], None] = print,
-                 costs: dict[str, list] | None = None) -> dict:
-    """The profile's rate control (codec.rate): for each level, the target its chunks' probes
+                 costs: dict[str, list] | None = None) -> tuned.RateControl:
+    """The profile's rate control (codec.tuning.rate): for each level, the target its chunks' probes
     may reach such that coding every tuning context chunk by chunk (each chunk at the scale its
     own probes give it) meets the level's RATE_KL_TARGETS on the worst kind of text. The
     continuation's KL grows about in proportion to the target, so a few secant steps converge,
@@ -319,7 +320,7 @@ def tune_targets(lm, profile, cases: dict[str, list], log: Callable[[str], None]
     targets = {}
     for name in LADDER:
         goal = RATE_KL_TARGETS[name]
-        target = goal / rate.DEFAULT_MARGIN
+        target = goal / tuned.DEFAULT_MARGIN
         tried = []
         for _ in range(4):
             got, said = _worst_kind(lm, cases, lambda kind, i, case: chunked_roundtrip(
@@ -331,7 +332,7 @@ def tune_targets(lm, profile, cases: dict[str, list], log: Callable[[str], None]
                 break
             target *= (goal / got) ** 0.9
         targets[name] = round(crossing(tried, goal), 6)
-    return {"targets": targets, "bounds": list(rate.DEFAULT_BOUNDS)}
+    return tuned.RateControl(targets)
 
 
 def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048, sensitivity_contexts: int = 2,
@@ -349,7 +350,7 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
     measurement (the slow part) and skips both. `rate_control` False: no per-chunk rate control
     (every chunk at its level's one scale), for a model whose held-out text it does not hold the
     floors on (Gemma-3-270M's: docs/benchmarks.md). `token_power`: the profile takes per-token
-    steps at that power (codec.token_steps), and its level scales are tuned with them."""
+    steps at that power (codec.tuning.token_steps), and its level scales are tuned with them."""
     texts = tuple(texts)
     for kind in texts:  # a kind held out from tuning, or unknown, is refused before any prefill
         corpus.path(split, kind)
@@ -381,30 +382,27 @@ def calibrate(lm, *, split: str = "valid", contexts: int = 4, tokens: int = 2048
                                f"(codec error, worst kind) and level scales on {split}.txt of {', '.join(texts)}, "
                                f"{tuning_contexts} x {tuning_tokens} tokens each")
     if token_power is not None:
-        prof.meta["token_steps"] = {"power": float(token_power), "top": token_steps.DEFAULT_TOP}
+        tuned.write(prof, token_steps=tuned.TokenSteps(float(token_power), tuned.DEFAULT_TOP))
     tuning = tuning_cases(lm, split, texts, tuning_contexts, tuning_tokens, tuning_continuation, log)
     if measured:
         log(f"measuring each stream's sensitivity to the codec's own error on {', '.join(texts)}")
         prof.set_sensitivity(codec_sensitivity(lm, prof, tuning, log))
     log(f"tuning level scales on {', '.join(texts)}")
-    prof.meta["level_scales"] = tune_levels(lm, prof, tuning, log)
-    prof._id = None  # meta changed
+    tuned.write(prof, level_scales=tune_levels(lm, prof, tuning, log))
     costs = None
     if rate_control:
         costs = chunk_costs(lm, prof, tuning, log)
         log("tuning each level's target for per-chunk rate control")
-        prof.meta["rate_control"] = tune_targets(lm, prof, tuning, log, costs)
-        prof._id = None
+        tuned.write(prof, rate_control=tune_targets(lm, prof, tuning, log, costs))
     log("measuring each level's cost (what the sender's level choice weighs for this model)")
-    prof.meta["level_dppl"] = level_costs(lm, prof, tuning, costs, log)
-    prof._id = None
+    tuned.write(prof, level_dppl=level_costs(lm, prof, tuning, costs, log))
     return prof
 
 
 def level_costs(lm, profile, cases: dict[str, list], costs: dict[str, list] | None,
                 log: Callable[[str], None] = print) -> dict[str, float]:
     """Each level's quality cost, what the sender's level choice weighs for this model
-    (codec.catalog.dppl_table): the expected Δppl % of a continuation, 100 x its mean KL from the
+    (codec.tuning.catalog.dppl_table): the expected Δppl % of a continuation, 100 x its mean KL from the
     exact cache's next-token distributions, on the kind of text where the level costs most, with
     every chunk coded as the daemon codes it (at the scale its own probes give it, `costs`, where
     the profile has rate control; None: at its level's one scale).

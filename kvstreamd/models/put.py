@@ -1,7 +1,7 @@
 """Store a context this process has prefilled: measure what coding each of its chunks costs the
 model (rate_probe), then put it with those costs, so that the daemon codes each chunk at its own
-steps (codec.rate), and, for a profile that takes them, how much the probes read each token
-(token_weight), so that it codes each token at its own step (codec.token_steps). The HF side's
+steps (codec.tuning.rate), and, for a profile that takes them, how much the probes read each token
+(token_weight), so that it codes each token at its own step (codec.tuning.token_steps). The HF side's
 one way to put; the vLLM connector, which has no model forward of its own to probe with, puts
 without either (each chunk at its level's one scale, every token at its stream's step)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from codec import rate, registry, token_steps
+from codec.tuning import rate, registry, token_steps
 from codec.errors import CodecError
 from codec.profile import Profile
 
@@ -53,7 +53,7 @@ def put_context(lm: LoadedModel, client: Client, tokens: list[int], kv: torch.Te
 
 
 def _profile(model_id: str) -> Profile | None:
-    """The model's profile as this process finds it (codec.registry), None where it finds none:
+    """The model's profile as this process finds it (codec.tuning.registry), None where it finds none:
     a daemon given the profile by `[codec] profile` codes what it is sent without costs."""
     try:
         return registry.for_model(model_id)

@@ -1,7 +1,7 @@
-"""What coding each chunk of a context costs the model (codec.rate.ChunkCost), measured where
+"""What coding each chunk of a context costs the model (codec.tuning.rate.ChunkCost), measured where
 the model is: in the process that has just prefilled the context and is about to put it.
 
-Each chunk is coded once at codec.rate.PROBE_SCALE and decoded (codec.cachegen.roundtrip: the
+Each chunk is coded once at codec.tuning.rate.PROBE_SCALE and decoded (codec.tuning.named.roundtrip: the
 codec's own symbols and inverse, without the entropy coder), and put in place of its exact
 KV, alone, under two short probes of the context's own tokens (no text beyond the context is
 needed): the context's last PROBE_TOKENS (`end`) and the PROBE_TOKENS right after the chunk
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from codec.cachegen import roundtrip
+from codec.tuning.named import roundtrip
 from codec.profile import Profile
-from codec.rate import PROBE_SCALE, ChunkCost
+from codec.tuning.rate import PROBE_SCALE, ChunkCost
 
 from .adapter import LoadedModel, continuation_logits
 

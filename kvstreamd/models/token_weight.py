@@ -1,10 +1,10 @@
 """How much the probes' queries read each token of a context, per layer: the weights that
-per-token steps class a put's tokens by (codec.token_steps), measured in the attention the
+per-token steps class a put's tokens by (codec.tuning.token_steps), measured in the attention the
 model runs anyway.
 
 While `recording` is active, the adapter's attention function (attention.OBSERVER) hands each
 layer's queries and keys here; for the query rows asked for (the rate probes' tokens,
-rate_probe.probe_rows at codec.token_steps.PROBE_EVERY) the softmax over the keys each may read (causal, within the layer's
+rate_probe.probe_rows at codec.tuning.token_steps.PROBE_EVERY) the softmax over the keys each may read (causal, within the layer's
 window) is recomputed, squared and summed over heads and rows into that layer's weight of each
 key token. During the prefill a put runs anyway this costs no forward pass of its own; where
 the KV came prefilled (`measure`), a forward over each run of probe rows on the KV before it.
@@ -16,7 +16,7 @@ import contextlib
 import numpy as np
 import torch
 
-from codec.token_steps import PROBE_EVERY
+from codec.tuning.token_steps import PROBE_EVERY
 
 from . import attention
 from .adapter import LoadedModel, extend, prefill
@@ -102,7 +102,7 @@ def measure(lm: LoadedModel, tokens: list[int], kv: torch.Tensor, at: list[int] 
 
 
 def rows(n_tok: int) -> list[int]:
-    """The query rows a context of n_tok tokens is weighed by (codec.token_steps.PROBE_EVERY)."""
+    """The query rows a context of n_tok tokens is weighed by (codec.tuning.token_steps.PROBE_EVERY)."""
     return probe_rows(n_tok, PROBE_EVERY)
 
 

@@ -20,8 +20,8 @@ import torch
 from aiohttp import web
 
 from codec.errors import CodecError
-from codec.parallel import CodecPool
-from codec.segments import SEG_PREFIX as CODEC_SEG_PREFIX
+from codec.pool.parallel import CodecPool
+from codec.pool.segments import SEG_PREFIX as CODEC_SEG_PREFIX
 
 from kvstreamd import __version__, config as config_mod
 from kvstreamd.cluster.directory import Directory, PeerDirectory

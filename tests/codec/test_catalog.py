@@ -1,6 +1,7 @@
 """The one table of levels and baselines: every scheme the codec implements is priced there,
 and nothing is priced that the codec cannot code."""
-from codec import baselines, catalog, levels
+from codec import baselines
+from codec.tuning import catalog, levels
 from transport.policy import TEXT
 
 

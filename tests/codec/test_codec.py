@@ -12,8 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import codec
-from codec import baselines, bitstream as bs, levels, profile as profiles, rope
-from codec.parallel import CodecPool
+from codec import baselines, bitstream as bs, profile as profiles, rope
+from codec.tuning import levels
+from codec.pool.parallel import CodecPool
 from tests.fixtures import SMALL, synthetic_kv
 
 OURS = ["high", "balanced", "fast"]
@@ -305,7 +306,7 @@ def test_pool_reuses_its_segments_and_a_result_outlives_the_pool(small_profile):
     """decode_many's results are views of the pool's segments: a segment is reused only once
     every view of the result it held is gone, and closing the pool unlinks them all while
     results still read correctly."""
-    from codec import segments
+    from codec.pool import segments
     kv = synthetic_kv(64, 21).to(torch.float16)
     data = codec.encode(kv, "high", small_profile, start=0)
     want = codec.decode(data)
@@ -358,7 +359,7 @@ def test_a_killed_worker_is_replaced_and_the_next_calls_succeed(small_profile):
 def test_each_worker_keeps_the_tables_of_its_share_of_the_streams(small_profile):
     """Worker k codes run k of every chunk's streams, so it builds (at warm-up and after) the
     entropy models of those streams only: a large model's tables are not in every worker."""
-    from codec.parallel import split
+    from codec.pool.parallel import split
     kv = synthetic_kv(64, 7).to(torch.float16)
     data = codec.encode(kv, "high", small_profile, start=0)
     with CodecPool(2, profile_paths=(small_profile.path,), warm_levels=("high",)) as pool:
@@ -427,7 +428,7 @@ def test_a_call_whose_worker_is_killed_under_it_runs_again_on_new_workers(small_
 
 
 def test_a_call_that_kills_its_worker_twice_fails_naming_how_and_the_pool_lives_on(small_profile):
-    from codec.parallel import WorkerLost
+    from codec.pool.parallel import WorkerLost
     kv = synthetic_kv(64, 6).to(torch.float16)
     data = codec.encode(kv, "fast", small_profile, start=0)
     with CodecPool(1, profile_paths=(small_profile.path,), warm_levels=()) as pool:

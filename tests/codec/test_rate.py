@@ -1,4 +1,4 @@
-"""Per-chunk rate control (codec.rate): the allocation of each chunk's scale from its costs, and
+"""Per-chunk rate control (codec.tuning.rate): the allocation of each chunk's scale from its costs, and
 a chunk coded at its own scale. The probes that measure the costs with the real model are
 tests/system/test_codec_model.py's."""
 from __future__ import annotations
@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import codec
-from codec import bitstream, levels, rate
+from codec import bitstream
 from codec.errors import CodecError
-from codec.rate import ChunkCost
+from codec.tuning import levels, rate
+from codec.tuning.rate import ChunkCost
+from codec.tuning.tuned import DEFAULT_MARGIN
 from tests.fixtures import synthetic_kv
 
 
@@ -97,7 +99,7 @@ def test_a_profiles_own_targets_and_bounds_are_what_it_codes_by(small_profile):
     own = codec.Profile(dict(small_profile.meta, rate_control={"targets": {"fast": 0.5}, "bounds": [1, 1]}),
                         small_profile.tensors)
     assert rate.settings(own).target(lv) == 0.5
-    assert rate.settings(own).target(levels.get("high")) == pytest.approx(rate.DEFAULT_MARGIN * 0.002)
+    assert rate.settings(own).target(levels.get("high")) == pytest.approx(DEFAULT_MARGIN * 0.002)
     assert rate.scales("fast", own, [ChunkCost(1e-9, 1e-9)]) == [rate.on_grid(lv.scale_in(own))]  # bounds [1, 1]
 
 
@@ -128,13 +130,13 @@ def test_roundtrip_is_what_decoding_the_encoded_chunk_gives(small_profile, level
     """The probes' roundtrip: the same symbols through the decoder's own inverse, no entropy coder."""
     kv = synthetic_kv(300, seed=4).half()
     want = codec.decode(codec.encode(kv, level, small_profile, start=start, scale=scale), small_profile)
-    got = codec.cachegen.roundtrip(kv, level, small_profile, start=start, scale=scale)
+    got = codec.tuning.named.roundtrip(kv, level, small_profile, start=start, scale=scale)
     assert got.dtype == kv.dtype and torch.equal(got, want)
 
 
 def test_roundtrip_refuses_the_anchor_delta_levels(small_profile):
     with pytest.raises(ValueError, match="PCA levels"):
-        codec.cachegen.roundtrip(synthetic_kv(64).half(), "cachegen-paper", small_profile)
+        codec.tuning.named.roundtrip(synthetic_kv(64).half(), "cachegen-paper", small_profile)
 
 
 def test_a_pool_asked_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_in_the_background(tuned, tmp_path):
@@ -142,9 +144,9 @@ def test_a_pool_asked_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_i
     of a fetch; the pool builds them ahead, each worker its share of the streams."""
     import time
 
-    from codec.parallel import CodecPool, split
+    from codec.pool.parallel import CodecPool, split
     path = tuned.save(tmp_path / "tuned.kvprofile")
-    codec.registry.register(codec.Profile.load(path))
+    codec.tuning.registry.register(codec.Profile.load(path))
     scales = rate.grid_scales(tuned)
     lo, hi = min(scales), max(scales)
     assert len(scales) == len(set(scales)) > 10 and lo < tuned.meta.get("level_scales", {}).get("high", 1.0) < hi
@@ -172,9 +174,9 @@ def test_a_pool_asked_builds_the_tables_of_every_grid_scale_of_a_tuned_profile_i
 def test_a_pool_starts_warming_at_the_first_chunk_it_decodes_at_a_scale_of_its_own(tuned, tmp_path):
     """A daemon whose chunks all come at their level's own scale (a vLLM connector puts no costs)
     never spends the CPU on the grid; the first chunk coded at a scale of its own starts it."""
-    from codec.parallel import CodecPool
+    from codec.pool.parallel import CodecPool
     path = tuned.save(tmp_path / "tuned.kvprofile")
-    codec.registry.register(codec.Profile.load(path))
+    codec.tuning.registry.register(codec.Profile.load(path))
     kv = synthetic_kv(64, 7).half()
     own = rate.grid_scales(tuned)[3]
     with CodecPool(1, profile_paths=(str(path),), warm_levels=()) as pool:
@@ -191,10 +193,10 @@ def test_warming_waits_while_the_workers_code_and_goes_on_once_they_are_quiet(tu
     slowed the fetches and puts that came meanwhile)."""
     import time
 
-    from codec.parallel import CodecPool
-    from codec.quiet import QUIET_S
+    from codec.pool.parallel import CodecPool
+    from codec.pool.quiet import QUIET_S
     path = tuned.save(tmp_path / "tuned.kvprofile")
-    codec.registry.register(codec.Profile.load(path))
+    codec.tuning.registry.register(codec.Profile.load(path))
     kv = synthetic_kv(64, 7).half()
     with CodecPool(1, profile_paths=(str(path),), warm_levels=()) as pool:
         pool.encode(kv, "high", tuned)  # the level's own tables, built by coding

@@ -1,4 +1,4 @@
-"""Where profiles come from (codec.registry): explicit ones, then the user profile folder, then
+"""Where profiles come from (codec.tuning.registry): explicit ones, then the user profile folder, then
 the shipped one; the user folder searched by every process, codec workers included; a file
 there that does not load named in one warning, the others still coding.
 
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import codec
-from codec import profile as profiles, registry
-from codec.parallel import CodecPool
+from codec import profile as profiles
+from codec.tuning import registry
+from codec.pool.parallel import CodecPool
 from tests.fixtures import synthetic_kv
 
 

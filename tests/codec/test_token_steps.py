@@ -1,4 +1,4 @@
-"""Per-token steps (codec/token_steps.py, bitstream transform TOKEN_STEPS): the rule that
+"""Per-token steps (codec/tuning/token_steps.py, bitstream transform TOKEN_STEPS): the rule that
 classes tokens, chunks that carry classes (each token coded at its class's step, decoded by
 the one decoder on every path: single process, the pool's workers, the batched lanes), and
 what a decoder refuses."""
@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import codec
-from codec import bitstream as bs, cachegen, gpu, registry, token_steps
+from codec import bitstream as bs, gpu
 from codec.errors import CodecError
-from codec.parallel import CodecPool
+from codec.pool.parallel import CodecPool
+from codec.tuning import named, registry, token_steps
 from tests.fixtures import synthetic_kv
 
 
@@ -59,7 +60,7 @@ def test_a_chunk_with_classes_decodes_as_its_roundtrip_and_each_class_as_coarser
     h = bs.unpack(data)
     assert h.transforms & bs.TOKEN_STEPS and np.array_equal(h.token_classes, cls[:, h.sink_tokens:])
     out = codec.decode(data, stepped)
-    assert torch.equal(out, cachegen.roundtrip(kv, "balanced", stepped, 0, token_classes=cls))
+    assert torch.equal(out, named.roundtrip(kv, "balanced", stepped, 0, token_classes=cls))
     assert torch.equal(out[:, :, :h.sink_tokens], kv[:, :, :h.sink_tokens])  # the sink stays exact
     # Every token of class 2 is coded as the chunk at twice the level's scale codes it.
     two = np.full((L, 96), 2, np.uint8)
@@ -147,7 +148,7 @@ def test_a_damaged_class_section_or_block_is_refused_by_name(stepped):
 def test_warming_a_level_builds_each_token_classs_tables(stepped):
     from codec import decoder
     prof = codec.Profile(dict(stepped.meta), dict(stepped.tensors))  # nothing built yet
-    decoder.Decoder(prof).warm("fast")
+    named.warm(decoder.Decoder(prof), "fast")
     steps = codec.LEVELS["fast"].steps(prof)
     built = {(k[1], k[2], k[3]) for k in prof._models if k[0] == "rans"}
     want = {(l, kv, token_steps.class_step(float(steps[l, kv]), c))

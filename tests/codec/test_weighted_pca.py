@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import codec
-from codec import levels, pca, profile as profiles, rope
+from codec import pca, profile as profiles, rope
+from codec.tuning import levels
 from tests.fixtures import SMALL
 
 C = SMALL["heads"] * SMALL["head_dim"]
@@ -113,6 +114,6 @@ def test_the_channel_scale_is_part_of_the_profile_its_file_and_its_layer_subsets
 
 
 def test_smollm2s_shipped_profile_uses_the_weighted_rotation():
-    from codec import registry
+    from codec.tuning import registry
     assert "pca_channel_scale" in registry.for_model("SmolLM2-135M-Instruct-Q4_1:bad8a3c4602d479c").tensors
 

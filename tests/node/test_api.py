@@ -531,7 +531,7 @@ async def test_a_put_larger_than_a_piece_goes_as_several_requests_of_whole_chunk
         assert (again["stored_chunks"], again["already_held"]) == (0, 5)
 
 
-# -- per-chunk rate control (chunk_costs, codec.rate) ---------------------------------------------------
+# -- per-chunk rate control (chunk_costs, codec.tuning.rate) ---------------------------------------------------
 
 def _steps(d, key_hex: str, level: str):
     """The [L, 2] steps chunk `key_hex` is stored with at `level` (its header's)."""
@@ -541,13 +541,13 @@ def _steps(d, key_hex: str, level: str):
 
 @pytest.fixture
 def tuned_profile(small_profile):
-    """The small profile with rate control's targets (codec.rate): per-chunk steps are on."""
+    """The small profile with rate control's targets (codec.tuning.rate): per-chunk steps are on."""
     rc = {"targets": {"high": 2e-3, "balanced": 5e-3, "fast": 2e-2}, "bounds": [0.5, 3.0]}
     return codec.Profile(dict(small_profile.meta, rate_control=rc), dict(small_profile.tensors))
 
 
 async def test_a_put_with_chunk_costs_codes_each_chunk_at_the_steps_its_costs_give_it(inprocess, tuned_profile):
-    from codec import rate
+    from codec.tuning import rate
     (a,) = await inprocess(["a"], profile=tuned_profile)
     (b,) = await inprocess(["b"])  # the small profile as it is: not tuned for rate control
     tokens, kv = context(700)
@@ -562,7 +562,7 @@ async def test_a_put_with_chunk_costs_codes_each_chunk_at_the_steps_its_costs_gi
             assert want[0] > max(want[1:]) and want[1] < want[2] * 1.5
             for key, scale in zip(reply["keys"], want):
                 assert np.allclose(_steps(a, key, level), tuned_profile.base_step * scale)
-            fixed = codec.levels.get(level).steps(tuned_profile)
+            fixed = codec.tuning.levels.get(level).steps(tuned_profile)
             assert all((_steps(a, key, level) == fixed).all() for key in plain["keys"])  # no costs: as before
             assert all((_steps(b, key, level) == fixed).all() for key in untuned["keys"])  # no targets: as before
         got = await _fetched(ca, tokens)  # the chunks decode as any others: the steps are in their headers

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import codec
-from codec import bitstream as bs, layout, profile as profiles, registry, rope
+from codec import bitstream as bs, layout, profile as profiles, rope
+from codec.tuning import registry
 from codec.errors import CodecError
 from codec.layout import Layout, PrefixKV
 
@@ -89,7 +90,7 @@ def test_select_is_the_decoded_rows_and_names_its_layers(hybrid_profile):
 def test_a_layer_subset_codes_with_its_whole_profiles_tables(hybrid_profile):
     """A cut chunk's profile (Profile.subset) keeps no tables of its own: its entropy models and
     bases are the whole profile's, at the whole's layer index, built once for both."""
-    step = float(codec.levels.get("fast").steps(hybrid_profile)[3, 1])
+    step = float(codec.tuning.levels.get("fast").steps(hybrid_profile)[3, 1])
     sub = hybrid_profile.subset((1, 3))
     assert sub.rans_models(1, 1, step) is hybrid_profile.rans_models(3, 1, step)
     assert sub.basis(0, 0) is hybrid_profile.basis(1, 0)
@@ -100,7 +101,7 @@ def test_a_layer_subset_codes_with_its_whole_profiles_tables(hybrid_profile):
 def test_pool_workers_come_warm_for_chunks_before_the_window(hybrid_profile):
     """A hybrid profile's workers warm the full-attention subset's share too: the first chunk
     cut to those layers builds no entropy model in any worker, and decodes as codec.decode does."""
-    from codec.parallel import CodecPool
+    from codec.pool.parallel import CodecPool
 
     cut = codec.select_layers(codec.encode(hybrid_kv(CHUNK, 3), "fast", hybrid_profile, start=4096), (1, 3))
     with CodecPool(3, profile_paths=(hybrid_profile.path,), warm_levels=("fast",)) as pool:
@@ -116,7 +117,7 @@ def test_pool_workers_come_warm_for_chunks_before_the_window(hybrid_profile):
 def test_the_pool_codes_a_chunk_to_the_very_bytes_codec_encode_does(hybrid_profile, layers):
     """Both build the header with cachegen.header_of: the pool's chunk of some layers (coded with
     Profile.subset) names its layers as codec.encode's does, and its streams use their tables."""
-    from codec.parallel import CodecPool
+    from codec.pool.parallel import CodecPool
 
     prof = hybrid_profile if layers is None else hybrid_profile.subset(layers)
     kv = hybrid_kv(CHUNK, 9) if layers is None else hybrid_kv(CHUNK, 9)[list(layers)].contiguous()
@@ -291,7 +292,8 @@ async def test_a_chunk_that_does_not_cut_costs_only_itself(inprocess, hybrid_pro
 
 @pytest.mark.parametrize("level", ["high", "cachegen-paper", "fp16", "int8"])
 def test_the_size_of_a_cut_is_known_before_it_is_made(hybrid_profile, level):
-    from codec import baselines, catalog
+    from codec import baselines
+    from codec.tuning import catalog
     from codec.select import selected_size
 
     kv = hybrid_kv(CHUNK, 9).half()

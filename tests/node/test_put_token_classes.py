@@ -1,4 +1,4 @@
-"""A put with token classes (POST /v1/contexts "token_classes", codec.token_steps): each chunk
+"""A put with token classes (POST /v1/contexts "token_classes", codec.tuning.token_steps): each chunk
 coded with its tokens' classes where the daemon's profile takes them, as before where it does
 not, and classes that do not fit the model or the tokens refused with nothing stored."""
 from __future__ import annotations

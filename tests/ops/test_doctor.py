@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import codec
-from codec import profile as profiles, registry
+from codec import profile as profiles
+from codec.tuning import registry
 from tests.fixtures import Clock, synthetic_daemon, synthetic_kv, system_fixture
 from kvstreamd.ops import doctor
 from kvstreamd.client import AsyncClient, ClientError

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import codec
-from codec import rate, registry
-from codec.parallel import CodecPool
+from codec.tuning import rate, registry
+from codec.pool.parallel import CodecPool
 from kvstreamd import models
 from kvstreamd.models import rate_probe
 from kvstreamd.lab import calibrate, corpus, quality
@@ -117,12 +117,12 @@ def test_rate_probes_price_each_chunk_and_its_scales_meet_the_target(lm, case, s
         assert a.end == pytest.approx(b.end, rel=0.05, abs=1e-7) and a.last == pytest.approx(b.last, rel=0.05, abs=1e-7)
     # What the probes code with is what decoding the coded chunk gives, on real KV too.
     chunk = kv[:, :, CHUNK:2 * CHUNK]
-    assert torch.equal(codec.cachegen.roundtrip(chunk, "balanced", shipped, start=CHUNK, scale=2.4),
+    assert torch.equal(codec.tuning.named.roundtrip(chunk, "balanced", shipped, start=CHUNK, scale=2.4),
                        codec.decode(codec.encode(chunk, "balanced", shipped, start=CHUNK, scale=2.4), shipped))
     # Coded at the scales the costs give them, the chunks meet the level's target on the probe.
     level = "balanced"
     scales = rate.scales(level, shipped, costs)
-    target = rate.settings(shipped).target(codec.levels.get(level))
+    target = rate.settings(shipped).target(codec.tuning.levels.get(level))
     assert sum(c.end * s * s for c, s in zip(costs, scales)) <= target * 1.001
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codec import registry
+from codec.tuning import registry
 from codec.layout import PrefixKV
 from tests.fixtures import system_fixture
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from codec import registry
+from codec.tuning import registry
 from kvstreamd.ops import preload
 from kvstreamd.lab import corpus
 from kvstreamd.lab.daemons import DaemonProcess, wait_for

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from codec import catalog
+from codec.tuning import catalog
 from kvstreamd.lab import netns
 from kvstreamd.bench import stream, stream_data
 

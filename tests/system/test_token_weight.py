@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import codec
-from codec import bitstream as bs, registry, token_steps
+from codec import bitstream as bs
+from codec.tuning import registry, token_steps
 from kvstreamd import models
 from kvstreamd.lab import corpus
 from kvstreamd.models import put as put_mod, rate_probe, token_weight

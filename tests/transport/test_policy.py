@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
-from codec import catalog
+from codec.tuning import catalog
 from tests.fixtures import DPPL, fixed, mbit
 from transport import traces
 from transport.policy import NEAR_LOSSLESS_DPPL, TEXT, Situation, _finish, adaptive_rule, cachegen_rule, text_seconds
@@ -204,7 +204,7 @@ def test_a_lost_deadline_on_a_steady_slow_link_plans_text_and_high_at_a_shipped_
     # `high` tail. Priced by their measured Δppl (0.08 / 0.097 for SmolLM2), `balanced` tails
     # went out, and cost +1.1% to +1.6% Δppl on bench e2e documents.
     from codec.profile import Profile
-    from codec.registry import SHIPPED_DIR
+    from codec.tuning.registry import SHIPPED_DIR
 
     own = Profile.load(SHIPPED_DIR / f"{model}.kvprofile").meta["level_dppl"]
     s = situation(16, mbit(20), -1.0, ladder=("high", "balanced", "fast", "int8", TEXT))

@@ -30,13 +30,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CodecError, ProfileError
-from .profile import Profile
+from ..errors import CodecError, ProfileError
+from ..profile import Profile
 
 log = logging.getLogger("codec.registry")
 
 PROFILE_DIR_ENV = "KVSTREAMD_PROFILE_DIR"
-SHIPPED_DIR = Path(__file__).parent / "profiles"
+SHIPPED_DIR = Path(__file__).parents[1] / "profiles"  # codec/profiles/
 SUFFIX = ".kvprofile"
 RETIRED = "retired"  # a folder's subfolder of profiles that only decode
 

@@ -20,44 +20,44 @@ WikiText test, real rANS sizes: 0.68 of the bytes at equal continuation KL, no p
 (docs/benchmarks.md, "Per-token steps").
 
 The classes travel in the chunk (bitstream transform TOKEN_STEPS: uint8 [layers, tokens after
-the sink], zlib'd), so a decoder needs nothing of this but `multipliers`. A profile turns it on
-(meta "token_steps": {"power": p, "top": t}, which calibrate tunes its level scales with); a chunk put
-without weights (the vLLM connector, an older client) codes every token at the stream's step.
+the sink], zlib'd), so a decoder needs nothing of this but the method's `codec.steps.multipliers`.
+A profile turns it on (its Tuning's token_steps: power p, top t, which calibrate tunes its level
+scales with); a chunk put without weights (the vLLM connector, an older client) codes every token at the stream's step.
 Only the ladder's levels use it: `max` keeps every token at its fine step.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .bitstream import TOP_CLASS
-from .errors import CodecError
+from ..bitstream import TOP_CLASS
+from ..errors import CodecError
+from ..profile import Profile
+# The method's half, by the names callers know them here: what a class multiplies a step by, and
+# a caller's classes validated (kvstreamd.node.puts).
+from ..steps import check_classes as check, class_step, multipliers  # noqa: F401
 from .levels import LADDER, LEVELS, Level, get as get_level
-from .profile import Profile
+from .tuned import DEFAULT_POWER, DEFAULT_TOP, Tuning  # noqa: F401 (DEFAULT_POWER: the rule's, by name)
 
-DEFAULT_POWER = 0.25
 # The weights come from the queries of the rate probes' layout at this spacing -- the 64 tokens
 # after every PROBE_EVERY tokens and the context's last 64 (rate_probe.probe_rows(n, PROBE_EVERY))
 # -- whatever the daemon's chunk size: calibrate tunes the level scales on weights so measured
 # (its chunks are of 1024 tokens), and at 256-token chunks a quarter of the tokens would be
 # probes, their neighbours all read, and a 16K Gemma-3 context 14% larger.
 PROBE_EVERY = 1024
-# The coarsest multiplier the rule gives (the bitstream takes up to 2 ** (TOP_CLASS / 2) = 8). At
-# 8, Gemma-3's `fast` came to 1.42x its KL floor on the kind of text no tuning saw (manual), where
-# every tuned kind held it: half the tokens sat there, read by no probe but by later prompts.
-DEFAULT_TOP = 4.0
 MIN_WEIGHT = 1e-12  # what a weight below it is taken as (a token no probe reads at all)
 
 
 def power(profile: Profile) -> float | None:
-    """The profile's power (meta "token_steps"), None where it codes every token alike."""
-    ts = profile.meta.get("token_steps")
-    return None if not ts else float(ts.get("power", DEFAULT_POWER))
+    """The profile's power (its Tuning's token_steps), None where it codes every token alike."""
+    ts = Tuning.of(profile).token_steps
+    return None if ts is None else ts.power
 
 
 def top(profile: Profile) -> float:
-    """The coarsest multiplier the profile's rule gives (meta "token_steps" "top", within what
-    the bitstream takes)."""
-    return min(float((profile.meta.get("token_steps") or {}).get("top", DEFAULT_TOP)), 2.0 ** (TOP_CLASS / 2))
+    """The coarsest multiplier the profile's rule gives (its Tuning's token_steps.top, within
+    what the bitstream takes)."""
+    ts = Tuning.of(profile).token_steps
+    return min(DEFAULT_TOP if ts is None else ts.top, 2.0 ** (TOP_CLASS / 2))
 
 
 def applies(level: str | Level, profile: Profile) -> bool:
@@ -91,25 +91,3 @@ def classes_for(weights: np.ndarray | None, profile: Profile) -> np.ndarray | No
     """classes(weights, profile) where the profile takes per-token steps and there are weights,
     else None (every token at its stream's step)."""
     return None if weights is None or power(profile) is None else classes(weights, profile)
-
-
-def multipliers(token_classes: np.ndarray) -> np.ndarray:
-    """Classes (uint8, any shape) -> each token's step multiplier (float32): 2 ** (class / 2)."""
-    return np.exp2(np.asarray(token_classes, np.float32) / 2).astype(np.float32)
-
-
-def class_step(step: float, token_class: int) -> float:
-    """The step of a stream's tokens of class `token_class`, whose stream step is `step`: what
-    their entropy models are built for, on both sides."""
-    return step * 2.0 ** (token_class / 2)
-
-
-def check(token_classes: np.ndarray, layers: int, tokens: int) -> np.ndarray:
-    """Classes a caller gives for a chunk or a context, validated: uint8 [layers, tokens], each
-    at most TOP_CLASS. CodecError naming what is wrong."""
-    c = np.asarray(token_classes)
-    if c.dtype != np.uint8 or c.shape != (layers, tokens):
-        raise CodecError(f"token classes must be uint8 [{layers}, {tokens}], got {c.dtype} {list(c.shape)}")
-    if c.size and int(c.max()) > TOP_CLASS:
-        raise CodecError(f"token class {int(c.max())} is above the top class {TOP_CLASS}")
-    return c

@@ -1,10 +1,10 @@
 """Every name a chunk can be stored or sent at, and what each costs: the codec's levels
-(`codec.levels`) and the comparison baselines (`codec.baselines`). The daemon's config, its
+(`codec.tuning.levels`) and the comparison baselines (`codec.baselines`). The daemon's config, its
 API and the sender's level choice all read this one table; a name missing here is not a level.
 
 Costs are measured on SmolLM2-135M-Instruct over WikiText-2 test.txt (docs/benchmarks.md,
 `kvstreamd bench codec`): the defaults. A profile carries its own model's costs
-(`meta["level_dppl"]`: the expected Δppl, 100 x a continuation's KL on the kind of text where the
+(its Tuning's `level_dppl`: the expected Δppl, 100 x a continuation's KL on the kind of text where the
 level costs most, kvstreamd.lab.calibrate.level_costs), which win for that model's chunks; the
 policy gets them as data (`dppl_table`), never from its own copy."""
 from __future__ import annotations
@@ -89,7 +89,7 @@ def get(name: str) -> Scheme:
 
 def dppl_table(levels: Iterable[str], measured: dict[str, float] | None = None) -> dict[str, float]:
     """level -> Δppl % for these levels plus TEXT (recompute is exact): what a rule weighs.
-    `measured`: a model's own figures (codec.levels.expected_dppl of its profile), where it has them."""
+    `measured`: a model's own figures (codec.tuning.levels.expected_dppl of its profile), where it has them."""
     own = measured or {}
     # A model's own figures and the catalog's come from different measurements (the expected Δppl
     # from KL on its calibration text; Δppl of SmolLM2 on 768 tokens, noisy to tenths of a point).

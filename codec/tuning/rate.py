@@ -25,7 +25,7 @@ chunk's header, so decoding needs none of this.
 
 When even the finest scale cannot meet a target, every chunk takes its finest. A chunk put
 without costs (the vLLM connector, an older client), or coded with a profile that has no
-targets of its own (meta "rate_control", which calibrate tunes), is coded at its level's one
+targets of its own (its Tuning's rate_control, which calibrate tunes), is coded at its level's one
 scale, as before rate control.
 """
 from __future__ import annotations
@@ -35,21 +35,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bitstream import Header
-from .errors import CodecError
+from ..bitstream import Header
+from ..errors import CodecError
+from ..profile import Profile
 from .levels import LADDER, LEVELS, Level, get as get_level
-from .profile import Profile
+from .tuned import RateControl, Tuning
 
 # The scale on the profile's base steps the probes code each chunk at: between high's and
 # fast's fixed scales, where KL is well above the numerical floor and still quadratic.
 PROBE_SCALE = 2.4
-# Where calibrate.tune_targets starts each level's target, as a share of its KL floor
-# (Level.kl_floor), and what a level missing from a tuned profile's targets aims for. The probes
-# see a few of the context's own tokens, which feel a chunk's error more than a long
-# continuation does (SmolLM2, test.txt: a continuation's KL came to 0.24-0.55 of the probes').
-DEFAULT_MARGIN = 1.0
-# A chunk's scale stays within these multiples of its level's fixed scale.
-DEFAULT_BOUNDS = (0.5, 3.0)
 # Scales are rounded down to this grid (2**(1/8) apart, 9% in step): the entropy models are
 # built per step, and a grid keeps the number a decoder builds and caches small.
 GRID_PER_OCTAVE = 8
@@ -80,39 +74,21 @@ class ChunkCost:
         return cls(*value)
 
 
-@dataclass(frozen=True)
-class Settings:
-    """A profile's rate control: each level's target (the probes' KL that a context may reach,
-    tuned by calibrate so that held-out text lands under the level's floor) and the bounds of
-    a chunk's scale, as multiples of its level's fixed scale."""
-    targets: dict[str, float]
-    bounds: tuple[float, float]
-
-    def target(self, lv: Level) -> float:
-        if lv.name in self.targets:
-            return self.targets[lv.name]
-        if lv.kl_floor is None:
-            raise CodecError(f"level {lv.name} has no KL floor to aim for")
-        return DEFAULT_MARGIN * lv.kl_floor
-
-
-def settings(profile: Profile) -> Settings:
-    """The profile's own (meta "rate_control", written by calibrate), else the defaults."""
-    rc = profile.meta.get("rate_control") or {}
-    lo, hi = rc.get("bounds", DEFAULT_BOUNDS)
-    return Settings({k: float(v) for k, v in rc.get("targets", {}).items()}, (float(lo), float(hi)))
+def settings(profile: Profile) -> RateControl:
+    """The profile's own rate control (its Tuning's, written by calibrate), else the defaults."""
+    return Tuning.of(profile).rate_control or RateControl({})
 
 
 def tuned(profile: Profile) -> bool:
     """Whether the profile carries rate control's targets: only then are its chunks coded each at
     its own scale (an untuned target would trade quality for size blind)."""
-    return bool((profile.meta.get("rate_control") or {}).get("targets"))
+    return bool(settings(profile).targets)
 
 
 def grid_scales(profile: Profile) -> list[float]:
     """Every scale rate control may give a chunk of `profile` at any level of the ladder, the
     ones nearest a level's own scale first: what a codec worker builds tables for ahead of the
-    chunks (codec.parallel); none for a profile not tuned for it."""
+    chunks (codec.pool.parallel); none for a profile not tuned for it."""
     if not tuned(profile):
         return []
     rc = settings(profile)

@@ -1,5 +1,5 @@
 """When a codec pool's workers last coded, so that background work (warming tables ahead of the
-chunks, codec.parallel.CodecPool.warm_grid) starts only in the gaps between requests: a put's
+chunks, codec.pool.parallel.CodecPool.warm_grid) starts only in the gaps between requests: a put's
 encodes and a fetch's decodes come in bursts with shorter gaps than QUIET_S, so it slots between
 requests, not into them."""
 from __future__ import annotations

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import bitstream as bs
-from .profile import Profile
+from .. import bitstream as bs
+from ..profile import Profile
+from .tuned import Tuning
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Level:
     anchor_step: float = 1.0 / 32  # CacheGen: anchor step / sigma, about 8-bit anchors
     # The most a level may change what the model predicts, on held-out text of every kind: KL of
     # next-token distributions against the exact cache (docs/benchmarks.md, "Against the floors").
-    # Calibration tunes each level's scale under it, and rate control (codec.rate) aims each chunk at it.
+    # Calibration tunes each level's scale under it, and rate control (codec.tuning.rate) aims each chunk at it.
     kl_floor: float | None = None
     # A level defined on another: its scale is `scale` x that level's in the profile (tuned or
     # not), so it keeps its distance from it on every model; None: `scale` is its own.
@@ -30,14 +31,14 @@ class Level:
     def scale_in(self, profile: Profile) -> float:
         """The level's one scale for every chunk: a profile tuned on calibration text carries
         its own for each named level."""
-        own = profile.meta.get("level_scales", {}).get(self.name)
+        own = Tuning.of(profile).level_scales.get(self.name)
         if own is not None:
             return float(own)
         return self.scale * (LEVELS[self.of].scale_in(profile) if self.of else 1.0)
 
     def steps(self, profile: Profile, scale: float | None = None) -> np.ndarray:
         """[L, 2] float32: the quantization step of each (layer, K/V) stream; `scale`: this
-        chunk's own multiple of the profile's base steps (codec.rate), else the level's."""
+        chunk's own multiple of the profile's base steps (codec.tuning.rate), else the level's."""
         if self.thirds is None:
             return (profile.base_step * (self.scale_in(profile) if scale is None else scale)).astype(np.float32)
         if scale is not None:
@@ -71,12 +72,12 @@ LADDER = ("high", "balanced", "fast")  # the levels every chunk is stored at, be
 
 
 def expected_dppl(profile: Profile) -> dict[str, float]:
-    """Each level's expected Δppl % with `profile`: its own measurement (meta "level_dppl",
+    """Each level's expected Δppl % with `profile`: its own measurement (Tuning.level_dppl,
     kvstreamd.lab.calibrate.level_costs), and for a level defined on a measured one (Level.of),
     that one's scaled by the square of their steps' ratio -- KL, and so the expected Δppl, grows
     as the step squared (SmolLM2, `high` at 1, 1/2, 1/4, 1/8 of its steps: KL 0.00131, 0.00035,
-    0.000075, 0.000023). What the sender's rule weighs a model's levels by (codec.catalog)."""
-    own = {name: float(v) for name, v in (profile.meta.get("level_dppl") or {}).items()}
+    0.000075, 0.000023). What the sender's rule weighs a model's levels by (codec.tuning.catalog)."""
+    own = dict(Tuning.of(profile).level_dppl)
     for lv in LEVELS.values():
         if lv.name not in own and lv.of in own:
             own[lv.name] = own[lv.of] * (lv.scale_in(profile) / LEVELS[lv.of].scale_in(profile)) ** 2

@@ -1,14 +1,15 @@
 """What a codec pool's worker builds ahead of the chunks it will code: the tables of its share
 of each profile's streams at each level's steps (at start, and when it learns a profile), and at
-every scale rate control may give a chunk (codec.rate, in the background: CodecPool._warm_grid).
+every scale rate control may give a chunk (codec.tuning.rate, in the background: CodecPool._warm_grid).
 Worker k of n always codes run k of a chunk's streams (parallel.split), so it builds that run's
 tables only. Every function here runs in a worker."""
 from __future__ import annotations
 
 import numpy as np
 
-from . import decoder, levels, registry
-from .profile import Profile
+from .. import decoder
+from ..profile import Profile
+from ..tuning import levels, named, registry
 
 
 def split(streams: int, workers: int) -> list[range]:
@@ -32,7 +33,7 @@ def level_tables(index: int, workers: int, known: list[Profile], warm_levels: tu
             runs = split(2 * coded.layers, workers)
             if index < len(runs):
                 for level in warm_levels:
-                    decoder.for_profile(coded).warm(level, runs[index])
+                    named.warm(decoder.for_profile(coded), level, runs[index])
 
 
 def coded_layer_sets(prof: Profile) -> list[Profile]:
@@ -47,7 +48,7 @@ def coded_layer_sets(prof: Profile) -> list[Profile]:
 
 def scale_tables(index: int, workers: int, profile_id: bytes, scale: float) -> None:
     """Worker `index`'s share of the entropy tables chunks of `profile_id` coded at `scale`
-    (codec.rate: a chunk's own scale) decode with, built before such a chunk comes."""
+    (codec.tuning.rate: a chunk's own scale) decode with, built before such a chunk comes."""
     prof = registry.find(profile_id)
     for coded in coded_layer_sets(prof):
         runs = split(2 * coded.layers, workers)

@@ -25,12 +25,13 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from . import bitstream as bs, cachegen, decoder, levels, rate, registry, warm
-from .warm import split
+from .. import bitstream as bs, cachegen, decoder
+from ..errors import CodecError
+from ..profile import Profile
+from ..tuning import levels, named, rate, registry
 from .quiet import Quiet
 from .segments import Arena, Destination, open_segment, worker_map
-from .errors import CodecError
-from .profile import Profile
+from .warm import learn_profile, level_tables, scale_tables, split, streams_with_tables, table_steps
 
 log = logging.getLogger("codec.parallel")
 
@@ -93,15 +94,15 @@ def _init_worker(index: int, workers: int, profile_paths: tuple[str, ...], warm_
     # The parent read the same folders (CodecPool) and warned of a file there that does not
     # load: not once more per worker.
     logging.getLogger(registry.__name__).setLevel(logging.ERROR)
-    named = [registry.register(Profile.load(p)) for p in profile_paths]
-    known = {p.id: p for p in named + registry.current()}  # the pool's own, and each model's by precedence
-    warm.level_tables(index, workers, list(known.values()), warm_levels)
+    given = [registry.register(Profile.load(p)) for p in profile_paths]
+    known = {p.id: p for p in given + registry.current()}  # the pool's own, and each model's by precedence
+    level_tables(index, workers, list(known.values()), warm_levels)
 
 
 def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: range) -> None:
     mm = worker_map(name, size)
     # decode_many checked the CRC of these bytes before it wrote them here
-    h, profile = decoder.read(memoryview(mm)[out_bytes:out_bytes + data_len], check_crc=False)
+    h, profile = named.read(memoryview(mm)[out_bytes:out_bytes + data_len], check_crc=False)
     out = torch.frombuffer(mm, dtype=h.dtype, count=out_bytes // h.dtype.itemsize).view(h.shape)
     decoder.for_profile(profile).decode_streams(h, streams, out)
     del out, h
@@ -109,7 +110,7 @@ def _decode_part(name: str, size: int, out_bytes: int, data_len: int, streams: r
 
 def _decode_into(dest: Destination, name: str, size: int, data_len: int, streams: range) -> None:
     mm = worker_map(name, size)
-    h, profile = decoder.read(memoryview(mm)[:data_len], check_crc=False)  # checked by decode_into
+    h, profile = named.read(memoryview(mm)[:data_len], check_crc=False)  # checked by decode_into
     # The destination is mapped for this job only: a worker that kept it would keep the fetch
     # buffer's memory alive after the daemon and the model process have let it go.
     _, out_mm = open_segment(dest.size, dest.segment)
@@ -125,17 +126,16 @@ def _decode_into(dest: Destination, name: str, size: int, data_len: int, streams
             pass
 
 
-def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, level: str, profile_id: bytes,
-                 layer_ids: tuple[int, ...] | None, start: int, sink_rows: int, streams: range,
-                 scale: float | None = None, classes: np.ndarray | None = None) -> list[bytes]:
+def _encode_part(name: str, size: int, shape: tuple, dtype_code: int, transforms: int, steps: np.ndarray,
+                 anchor_step: float, profile_id: bytes, layer_ids: tuple[int, ...] | None, start: int,
+                 sink_rows: int, streams: range, classes: np.ndarray | None = None) -> list[bytes]:
     mm = worker_map(name, size)
     kv = torch.frombuffer(mm, dtype=bs.DTYPES[dtype_code], count=int(np.prod(shape))).view(shape)
-    lv, profile = levels.get(level), registry.find(profile_id)
+    profile = registry.find(profile_id)
     if layer_ids is not None:  # a chunk of some layers: coded with those layers' tables, as its header says
         profile = profile.whole().subset(layer_ids)
-    steps, transforms = lv.steps(profile, scale), cachegen.transforms_for(lv, profile)
     angles = cachegen.key_angles(transforms, start, sink_rows, shape[2], profile)
-    res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, transforms, steps, lv.anchor_step, start, sink_rows,
+    res = [cachegen.encode_stream(kv[s // 2, s % 2], s // 2, s % 2, transforms, steps, anchor_step, start, sink_rows,
                                   profile, angles, None if classes is None else classes[s // 2]) for s in streams]
     del kv
     return res
@@ -185,7 +185,7 @@ class CodecPool:
 
     def warm_grid(self, profile: Profile) -> None:
         """Start building, in the background, each worker's share of the tables of every scale
-        rate control may give a chunk of `profile` (codec.rate.grid_scales; nothing for a profile
+        rate control may give a chunk of `profile` (codec.tuning.rate.grid_scales; nothing for a profile
         not tuned for it), nearest the levels' own scales first, one job a worker at a time. A
         chunk at a scale its worker has not coded yet builds those tables in the middle of a
         fetch (0.36 s of one core for SmolLM2's 60 streams). It yields to coding: a scale's job
@@ -217,7 +217,7 @@ class CodecPool:
                     self._grid_given_up.add(profile.id)
                 return
             try:
-                self._run([(k, warm.scale_tables, k, self.workers, profile.id, scale) for k in range(self.workers)],
+                self._run([(k, scale_tables, k, self.workers, profile.id, scale) for k in range(self.workers)],
                           coding=False)
             except Exception:  # the pool closing, or its workers lost twice: warming is best effort
                 with self._grid_lock:
@@ -365,16 +365,16 @@ class CodecPool:
                 paths, at = self._initargs
                 self._initargs = (paths + (str(path),), at)
             at = tuple(at if warm_levels is None else warm_levels)
-            self._run([(k, warm.learn_profile, k, self.workers, str(path), at) for k in range(self.workers)])
+            self._run([(k, learn_profile, k, self.workers, str(path), at) for k in range(self.workers)])
             self._profile_ids.add(prof.id)
 
     def table_steps(self, profile: Profile) -> list[list[tuple[int, float]]]:
         """Per worker, the (stream, step) pairs of `profile` it holds rANS tables for."""
-        return self._run([(k, warm.table_steps, profile.id) for k in range(self.workers)])
+        return self._run([(k, table_steps, profile.id) for k in range(self.workers)])
 
     def streams_with_tables(self, profile: Profile) -> list[list[int]]:
         """Per worker, the streams of `profile` it has built entropy models for."""
-        return self._run([(k, warm.streams_with_tables, profile.id) for k in range(self.workers)])
+        return self._run([(k, streams_with_tables, profile.id) for k in range(self.workers)])
 
     def decode(self, data: bytes | memoryview, profile: Profile | None = None) -> torch.Tensor:
         return self.decode_many([data], profile)[0]
@@ -382,7 +382,7 @@ class CodecPool:
     def decode_many(self, chunks: list[bytes | memoryview], profile: Profile | None = None) -> list[torch.Tensor]:
         """Decode several chunks at once: every worker stays busy across chunk boundaries,
         which is how a fetch's decode stage sees them. Validation happens before any work."""
-        headers = [decoder.read(data, profile)[0] for data in chunks]
+        headers = [named.read(data, profile)[0] for data in chunks]
         for h in headers:
             self.warm_for_chunk(h)
         taken, jobs = [], []
@@ -416,7 +416,7 @@ class CodecPool:
         `segment` as one tensor) shaped as the chunk: the workers write there directly, and
         nothing is copied after them. The values are decode()'s, in out's dtype. CodecError,
         before any write, for a chunk that does not decode or is not of out's shape."""
-        h = decoder.read(data, profile)[0]
+        h = named.read(data, profile)[0]
         self.warm_for_chunk(h)
         if tuple(h.shape) != tuple(out.shape):
             raise CodecError(f"chunk is {list(h.shape)}, its destination {list(out.shape)}")
@@ -458,7 +458,7 @@ class CodecPool:
 
     def encode(self, kv: torch.Tensor, level: str = "balanced", profile: Profile | None = None, start: int = 0,
                scale: float | None = None, token_classes: np.ndarray | None = None) -> bytes:
-        """cachegen.encode's chunk, its streams coded by the workers."""
+        """codec.encode's chunk, its streams coded by the workers."""
         lv = levels.get(level)
         if lv.name not in levels.LEVELS:
             raise ValueError("the pool encodes named levels only")
@@ -474,10 +474,10 @@ class CodecPool:
             np.frombuffer(taken[1], np.uint8, count=raw.nbytes)[:] = raw
             staged = (taken[0], len(taken[1]))
         try:
-            h = cachegen.header_of(kv, lv, profile, start, scale, token_classes)
+            h = cachegen.header_of(kv, named.coding(lv, profile, scale, token_classes), profile, start)
             h.substreams = [s for part in self._run([(k, _encode_part, *staged, tuple(kv.shape), bs.DTYPE_CODES[kv.dtype],
-                                                      lv.name, profile.id, h.layer_ids, start, h.sink_tokens, run, scale,
-                                                      h.token_classes)
+                                                      h.transforms, h.steps, h.anchor_step, profile.id, h.layer_ids,
+                                                      start, h.sink_tokens, run, h.token_classes)
                                                      for k, run in enumerate(split(2 * h.layers, self.workers))])
                             for s in part]
         finally:
