@@ -1,6 +1,7 @@
 """The layout is the architecture: dependencies point one way (kvstreamd -> transport -> codec),
-each room of kvstreamd imports only the rooms its row of ROOMS names, the daemon never imports
-its test and benchmark harness, only the vLLM connector imports vLLM, no module imports itself
+each room of kvstreamd imports only the rooms its row of ROOMS names and each of codec and
+transport those of SUBROOMS (codec: pool -> tuning -> method), the daemon never imports its
+test and benchmark harness, only the vLLM connector imports vLLM, no module imports itself
 round a circle, and a file grows past ~500 lines only with its reason in its docstring."""
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ ROOMS = {
     "bench": {BASE, "client", "store", "handoff", "cluster", "ops", "models", "lab", "bench"},
     "engines": {BASE, "client"},
 }
+# The rooms of codec and transport, each with the rooms of its package it may import (besides
+# itself). A package's top-level modules are its first room; each subpackage is a room of its
+# own. The package itself (its __init__, the face callers import from) belongs to none.
+# codec: the method (what a chunk is turned into and back) never imports the tuning that picks
+# its values nor the process pool that runs it; tuning never imports the pool (codec/__init__.py).
+# transport has one room: it has no subpackages.
+TOP = {"codec": "method", "transport": "transport"}
+SUBROOMS = {
+    "codec": {"method": set(), "tuning": {"method"}, "pool": {"method", "tuning"}},
+    "transport": {"transport": set()},
+}
 # The modules that import the serving engine: the connector, and the harness's driver script that
 # vLLM's own environment runs (lab/vllm_engine.py starts it as a process). The daemon and the rest
 # of the package run (and their tests import them) where vLLM is not installed.
@@ -48,6 +60,15 @@ def room(module: str) -> str | None:
     if (ROOT / "kvstreamd" / parts[1]).is_dir():
         return parts[1]
     return "client" if parts[1] == "client" else BASE
+
+
+def subroom(module: str) -> str | None:
+    """The room of a codec or transport module (SUBROOMS): its subpackage, or its package's top
+    room (TOP); None for other packages and for the package itself."""
+    parts = module.split(".")
+    if parts[0] not in SUBROOMS or len(parts) == 1:
+        return None
+    return parts[1] if (ROOT / parts[0] / parts[1]).is_dir() else TOP[parts[0]]
 
 
 def modules() -> dict[str, Path]:
@@ -113,6 +134,26 @@ def test_each_room_imports_only_what_its_row_allows(graph):
         for b in deps:
             rb = room(b)
             if rb is not None and rb != ra and rb not in ROOMS[ra]:
+                bad.append(f"{a} ({ra}) -> {b} ({rb})")
+    assert not bad, "imports against the rooms' rules:\n" + "\n".join(bad)
+
+
+def test_every_room_of_codec_and_transport_has_a_row():
+    for pkg, rows in SUBROOMS.items():
+        rooms = {p.name for p in (ROOT / pkg).iterdir() if (p / "__init__.py").exists()} | {TOP[pkg]}
+        assert rooms == set(rows), f"{pkg}: a room without an import rule, or a rule without a room"
+
+
+def test_the_codec_and_transport_rooms_import_only_what_their_rows_allow(graph):
+    bad = []
+    for a, deps in graph.items():
+        ra = subroom(a)
+        if ra is None:
+            continue
+        pkg = a.split(".")[0]
+        for b in deps:
+            rb = subroom(b)
+            if rb is not None and b.split(".")[0] == pkg and rb != ra and rb not in SUBROOMS[pkg][ra]:
                 bad.append(f"{a} ({ra}) -> {b} ({rb})")
     assert not bad, "imports against the rooms' rules:\n" + "\n".join(bad)
 
