@@ -34,7 +34,7 @@ import numpy as np
 from . import entropy
 from .errors import CodecError
 
-log = logging.getLogger("kvstreamd.codec")
+log = logging.getLogger(__name__)
 
 PROB_BITS = 16
 TOTAL = 1 << PROB_BITS

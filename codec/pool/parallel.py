@@ -33,7 +33,7 @@ from .quiet import Quiet
 from .segments import Arena, Destination, open_segment, worker_map
 from .warm import learn_profile, level_tables, scale_tables, split, streams_with_tables, table_steps
 
-log = logging.getLogger("codec.parallel")
+log = logging.getLogger(__name__)
 
 
 def _exit_with_parent(parent: int) -> None:

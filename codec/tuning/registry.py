@@ -33,7 +33,7 @@ from pathlib import Path
 from ..errors import CodecError, ProfileError
 from ..profile import Profile
 
-log = logging.getLogger("codec.registry")
+log = logging.getLogger(__name__)
 
 PROFILE_DIR_ENV = "KVSTREAMD_PROFILE_DIR"
 SHIPPED_DIR = Path(__file__).parents[1] / "profiles"  # codec/profiles/

@@ -61,7 +61,7 @@ def test_a_user_folder_profile_codes_here_and_in_a_codec_worker(user_folder, sma
     prof = _profile_of(small_profile, model)
     path = prof.save(user_folder / "mine.kvprofile")
     (user_folder / "damaged.kvprofile").write_bytes(b"\x00" * 40)  # beside it: skipped, not fatal
-    with caplog.at_level(logging.WARNING, logger="codec.registry"):
+    with caplog.at_level(logging.WARNING, logger="codec.tuning.registry"):
         chosen = registry.for_model(model)
     assert chosen.id == prof.id and chosen.path == path
     assert registry.find(prof.id) is chosen and registry.source(chosen) == "user"
@@ -72,7 +72,7 @@ def test_a_user_folder_profile_codes_here_and_in_a_codec_worker(user_folder, sma
     assert torch.equal(from_worker, codec.decode(data))
     assert data == codec.encode(kv, "balanced", chosen, start=5)
     assert torch.equal(codec.decode(data), codec.decode(codec.encode(kv, "balanced", prof, start=5)))
-    warned = [r.getMessage() for r in caplog.records if r.name == "codec.registry"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "codec.tuning.registry"]
     assert [w.split(": ")[1] for w in warned] == [str(user_folder / "damaged.kvprofile")]
 
 
@@ -84,7 +84,7 @@ def test_a_damaged_file_in_the_user_folder_is_one_warning_naming_it(user_folder,
     bad.write_bytes(b"not a profile at all")
     empty = user_folder / "empty.kvprofile"
     empty.write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="codec.registry"):
+    with caplog.at_level(logging.WARNING, logger="codec.tuning.registry"):
         assert registry.for_model(model).id == good.id
         kv = synthetic_kv(40, seed=4)
         assert codec.decode(codec.encode(kv, "fast", good, start=0)).shape == kv.shape  # others decode
@@ -92,7 +92,7 @@ def test_a_damaged_file_in_the_user_folder_is_one_warning_naming_it(user_folder,
             registry.find(b"\x01" * 16)  # a miss reads the folder again: the files are not warned of twice
         with pytest.raises(codec.CodecError) as none:
             registry.for_model(_model())
-    warned = [r.getMessage() for r in caplog.records if r.name == "codec.registry"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "codec.tuning.registry"]
     assert len(warned) == 2, warned
     assert all("\n" not in w and w.startswith("profile file skipped: ") for w in warned)
     assert any(w.startswith(f"profile file skipped: {bad}: not a readable profile file") for w in warned)
