@@ -44,8 +44,11 @@ TOKEN_STEPS = 64  # per-(layer, token) step classes (codec/steps.py, codec/tunin
 KNOWN_TRANSFORMS = UNROTATE_KEYS | PCA | DELTA | SINK | RANS | LAYER_SUBSET | TOKEN_STEPS
 TOP_CLASS = 6  # the coarsest token class: steps x 2**(6/2) = 8 (codec/steps.py)
 
+# The dtypes a chunk's KV may be in, by their code in a header: the one list of them, which the
+# daemon's API, its shared-memory buffers and the client name by DTYPE_NAMES ("float16", ...).
 DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {v: str(v).removeprefix("torch.") for v in DTYPES.values()}
 
 _FIXED = struct.Struct("<4sHHBBHHHII16sBBH")
 MAX_TOKENS = 1 << 20

@@ -16,13 +16,14 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, Callable, TypeVar
 
 from codec.tuning import catalog
+from codec.bitstream import DTYPE_NAMES
 from codec.errors import CodecError
 from codec.tuning.rate import ChunkCost
 from transport.bandwidth import MIN_SAMPLE_BYTES, Probe
 
 from kvstreamd.limits import MAX_DEADLINE_MS
 
-DTYPE_CHOICES = ("float16", "bfloat16", "float32")  # of a put's KV, of a fetch's buffer (handoff.shm.DTYPES)
+DTYPE_CHOICES = tuple(DTYPE_NAMES.values())  # of a put's KV, of a fetch's buffer (handoff.shm.DTYPES)
 
 # Bounds on request fields, checked at the door so that nothing out of range reaches the node.
 MAX_TOKENS = 2**20          # tokens in one request (a context a model can hold, and more)

@@ -61,14 +61,12 @@ import _posixshmem  # CPython's shm_open/shm_unlink (what multiprocessing.shared
 import numpy as np
 import torch
 
+from codec.bitstream import DTYPE_NAMES
+
 __all__ = ["PREFIX", "DTYPES", "ShmError", "Segment", "Attached", "Reader", "sweep_stale"]
 
 PREFIX = "kvstreamd"
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
+DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # the KV dtypes, by name
 # numpy dtype each torch dtype is mapped through; bfloat16 goes via int16 + Tensor.view.
 _NUMPY = {torch.float16: np.float16, torch.bfloat16: np.int16, torch.float32: np.float32}
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments (a tmpfs), by name
