@@ -300,8 +300,8 @@ def _levels(value, where, ctx) -> tuple[str, ...]:
     if not value:
         raise ConfigError(f"{where}: [] is empty; at least one level is needed (e.g. [\"balanced\"])")
     for name in value:
-        if name == "text":
-            raise ConfigError(f'{where}: "text" is always available; do not list it')
+        if name == catalog.TEXT:
+            raise ConfigError(f'{where}: "{catalog.TEXT}" is always available; do not list it')
         if name not in known:
             raise ConfigError(f"{where}: {_show(name)} is not a level (known: {', '.join(known)})")
     dup = sorted({n for n in value if value.count(n) > 1})

@@ -9,7 +9,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-TEXT = "text"  # the token ids, for the receiver to recompute
+from codec.tuning.catalog import TEXT  # the token ids, for the receiver to recompute
 
 # Each level's quality cost (Δppl %) is data the caller passes in (Situation.dppl): it is
 # measured per model and kept in codec.tuning.catalog, not here.
