@@ -17,7 +17,7 @@ import torch
 # and reuses: a fresh segment costs a page fault and a zeroed page per 4 KiB on first touch (~18 ms for a
 # 1024-token SmolLM2 chunk, ~13% of its decode), a reused one nothing. decode_many returns
 # each chunk as a view of its segment (no copy out); the segment goes back to the pool when the
-# last view of it is gone. Names follow kvstreamd.shm's "<prefix>-<pid>-<12 hex>" with their
+# last view of it is gone. Names follow kvstreamd.handoff.shm's "<prefix>-<pid>-<12 hex>" with their
 # own prefix, so the daemon's start-up sweep removes any a killed process left.
 SEG_PREFIX = "kvcodec"
 MAX_FREE_SEGMENTS = 8  # kept for reuse (each about a chunk's output); beyond, freed
