@@ -16,9 +16,10 @@ codec.layout.PrefixKV) has the KV as each layer holds it, for every model; `f.kv
 
 `AsyncClient` has the same methods as coroutines (fetch is an async iterator).
 
-The file is long (~540 lines) because it is both clients, `Client` and `AsyncClient`, over one
-fetch state (`_FetchState`), each with every route; one shared request builder over the API's
-route table would shorten it."""
+The file is long (~550 lines) because it is both clients, `Client` and `AsyncClient`: the routes
+that are one request and one reply are written once for both (`_Routes`), over the API's route
+table and its requests (kvstreamd.requests); a put (shared-memory segments, in pieces) and a
+fetch (a stream of events over one fetch state, `_FetchState`) each client does its own way."""
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +35,7 @@ from typing import Any, AsyncIterator, Iterator
 import torch
 
 from codec import layout
+from codec.bitstream import DTYPE_NAMES  # the KV dtypes a put or a fetch's buffer may be in
 from codec.layout import PrefixKV
 
 from . import events
@@ -41,7 +43,6 @@ from kvstreamd.requests import ChunkCost, ContextRequest, FetchRequest, ProbeReq
 from kvstreamd.routes import request
 from kvstreamd.handoff.shm import SHM_DIR, Attached, Segment, ShmError
 
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # The most KV one put request hands over: a longer context goes as several requests of whole
 # chunks (POST /v1/contexts with `start`), so a put holds one piece's segment beyond kv itself.
 PUT_PIECE_BYTES = 256 * 2**20
@@ -273,7 +274,8 @@ class _Routes:
         unpin() or delete_context(). ClientError pin_refused over [store] pin_budget."""
         return self._run(_Call("pin", ContextRequest(model_id, list(tokens))))
 
-    def unpin(self, key: str) -> None:
+    def unpin(self, key: str) -> str:
+        """Unpin the context whose last chunk key is `key` (hex); it stays stored. Returns `key`."""
         return self._run(_Call("unpin", params={"key": key}, pick="unpinned"))
 
     def pins(self) -> list[dict]:

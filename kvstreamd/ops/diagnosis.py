@@ -9,13 +9,15 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from codec import catalog, rans, registry
+from codec import rans
+from codec.tuning import catalog, registry
 from codec.errors import CodecError
 from transport import aio
-from transport.bandwidth import CLOCK_TICK, MIN_SAMPLE_BYTES, Probe, crossing_s
+from transport.bandwidth import CLOCK_TICK, crossing_s
 
 from kvstreamd.coder import MIN_TIMED_MB
 from kvstreamd.metrics import RecentErrors, is_damaged_chunk
+from kvstreamd.requests import PROBE_BYTES, PROBE_TIMEOUT_S  # a probe's padding and time (POST /v1/peers/probe)
 
 if TYPE_CHECKING:
     import torch
@@ -25,11 +27,6 @@ if TYPE_CHECKING:
     from kvstreamd.store.store import Store
 
 WINDOW_S = 3600  # "in the last hour"
-PROBE_BYTES = Probe().size  # the largest probe a sender measures a link with: large enough to see past a socket buffer
-MIN_PROBE_BYTES = MIN_SAMPLE_BYTES  # smaller measures latency, not bandwidth
-MAX_PROBE_BYTES = 16 * 2**20  # per peer: a diagnosis must not be a load test
-PROBE_TIMEOUT_S = 5.0
-MAX_PROBE_TIMEOUT_S = 30.0
 # A daemon that has timed no decode yet measures one now, on a stored chunk: at most this many
 # decodes of it, stopping once this many seconds have gone (a diagnosis, not a benchmark).
 MEASURE_DECODES = 3
