@@ -18,6 +18,7 @@ from codec.tuning import rate, token_steps, tuned
 from codec.tuning.levels import LADDER, LEVELS
 
 from .. import models
+from ..config import CodecConfig
 from ..models import rate_probe, token_weight
 from . import corpus, quality
 
@@ -51,7 +52,7 @@ TUNING_CONTEXTS, TUNING_TOKENS, TUNING_CONTINUATION = 3, 3072, 256
 # error in the first layers' values costs 5-20x more KL (docs/benchmarks.md).
 PROBE_LEVEL = "balanced"
 # The chunk size contexts are coded in here: the daemon's default ([codec] chunk_tokens).
-CHUNK_TOKENS = 1024
+CHUNK_TOKENS = CodecConfig.chunk_tokens
 # A stream's sensitivity is at least this share of the mean: a KL of ~1e-5 is mostly noise, and
 # a stream priced at nothing would get a step that wipes it out.
 SENSITIVITY_FLOOR = 0.02
