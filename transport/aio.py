@@ -2,10 +2,10 @@
 asyncio adapter that feeds protocol.Connection bytes and loop time, writes what it queues, and
 turns its events into a handler task per FETCH served (`ServedFetch`, the sender side) and an
 async iterator per fetch (`FetchCall`, the fetcher side). Every request rule, how a request
-ends and buffer accounting are the Connection's; this module only moves bytes and wakes
-tasks. TLS is an option of serve() and connect(). The file is long (~620 lines) because
-PeerConnection is the one place where the Connection's events meet asyncio's callbacks;
-split, each half would need the other's state."""
+ends and buffer accounting are the Connection's, the stall rules transport/stall.py's; this
+module only moves bytes, tells times and wakes tasks. TLS is an option of serve() and
+connect(). The file is long (~600 lines) because PeerConnection is the one place where the
+Connection's events meet asyncio's callbacks; split, each half would need the other's state."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ import logging
 import math
 import ssl as _ssl
 import time
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import Any, Awaitable, Callable
 
 from . import frames, tls as _tls
 from .calls import (ConnectionClosedError, FetchCall, FetchCancelled, FetchError, FetchFailed,
@@ -22,10 +22,12 @@ from .calls import (ConnectionClosedError, FetchCall, FetchCancelled, FetchError
                     TransportError, grace_s, wait_s)
 from .events import (AckReceived, CancelReceived, ChunkReceived, ConnectionClosed, EndReceived,
                      ErrorReceived, FetchReceived, HandshakeComplete, MessageReceived)
+from .loops import loop_factory, run
 from .messages import (CONNECTION_LOST, HANDSHAKE_TIMEOUT, NORMAL, NOT_FOUND, WRITE_STALLED, Cancel, Chunk,
-                       End, Error, Fetch, Message, Ping, Pong, Text)
+                       Error, Fetch, Message, Ping, Pong, Text)
 from .protocol import Connection, State
-from .requests import DEFAULT_MAX_BUFFERED_BYTES
+from .requests import DEFAULT_MAX_BUFFERED_BYTES, in_request
+from .stall import DEFAULT_WRITE_STALL_S, STALLED, WriteStall
 
 __all__ = ["PeerConnection", "Server", "serve", "connect", "run", "loop_factory", "Handler",
            "OnConnect", "FetchCall", "ServedFetch", "TransportError", "HandshakeError",
@@ -33,35 +35,15 @@ __all__ = ["PeerConnection", "Server", "serve", "connect", "run", "loop_factory"
            "FetchInterrupted", "FetchStalled", "FetchTimedOut", "DEFAULT_HANDSHAKE_TIMEOUT",
            "DEFAULT_MAX_BUFFERED_BYTES", "DEFAULT_WRITE_STALL_S", "MAX_INBOX_BYTES", "grace_s", "wait_s"]
 
-log = logging.getLogger("kvstreamd.transport")
+log = logging.getLogger(__name__)
 
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0  # seconds from TCP connect to READY
-# A connection whose write buffer is over the transport's high-water mark and has not shrunk
-# for this long is ended (code write_stalled, never sent) and its buffer dropped: a peer that
-# stopped reading (SIGSTOPped, wedged) holds no more of our memory than was queued by then.
-# The daemon's [peer] write_stall_s.
-DEFAULT_WRITE_STALL_S = 10.0
 # Messages outside a request (ADVERTISE, WITHDRAW, ...) received and not yet recv()d: past
 # this many bytes of their frames, reading pauses (TCP pushes back on the peer) until the
 # reader has taken them down to half. At most this plus one read's frames are held.
 MAX_INBOX_BYTES = 16 * 2**20
 Handler = Callable[[ServedFetch, Fetch], Awaitable[None]]
 OnConnect = Callable[["PeerConnection"], Awaitable[None] | None]
-
-
-def loop_factory() -> asyncio.AbstractEventLoop:
-    """A new event loop: uvloop's when it is installed, asyncio's otherwise."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
-def run(main: Coroutine[Any, Any, Any]) -> Any:
-    """asyncio.run(main) on the loop loop_factory() makes."""
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(main)
 
 
 class PeerConnection(asyncio.Protocol):
@@ -98,9 +80,8 @@ class PeerConnection(asyncio.Protocol):
         self._lost = self._loop.create_future()
         self._writable = asyncio.Event()
         self._writable.set()
-        self._write_stall_s = write_stall_s
+        self._write_stall = WriteStall(write_stall_s)  # the write-stall rule (stall.py)
         self._stall_check: asyncio.TimerHandle | None = None  # while writing is paused
-        self._stall_mark = (0.0, 0)  # (loop time, write buffer size) when the buffer last shrank
         self._probing = asyncio.Lock()  # one padded PING queued at a time
         self._timer: asyncio.TimerHandle | None = None
         self._inbox: asyncio.Queue[tuple[Message, int] | None] = asyncio.Queue()  # (message, frame size)
@@ -109,9 +90,9 @@ class PeerConnection(asyncio.Protocol):
         self._inbox_full = False  # over max_inbox_bytes, until taken down to half
         self._calls: dict[int, FetchCall] = {}  # this side's fetches still running, by req
         self._served: dict[int, ServedFetch] = {}  # the peer's FETCHes with a handler running
-        self._pings: dict[float, asyncio.Future[float]] = {}
+        # a PING's time -> (its PONG's waiter, the wall clock as it went: unpadded PINGs only)
+        self._pings: dict[float, tuple[asyncio.Future[float], float | None]] = {}
         self._last_ping = -math.inf  # the time of this connection's latest PING (_ping)
-        self._ping_walls: dict[float, float] = {}  # an unpadded PING's time -> wall clock as it went
         self.clock_offset: float | None = None  # seconds the peer's wall clock is ahead of ours (latest PONG)
         self._reading_paused = False  # what the transport was last told
         self._tasks: set[asyncio.Task] = set()
@@ -161,7 +142,7 @@ class PeerConnection(asyncio.Protocol):
     async def send(self, msg: Message) -> int:
         """Send a message that is not part of a request (ADVERTISE, WITHDRAW, PING, ...)
         and wait for the write buffer to drain; returns its wire size."""
-        if isinstance(msg, (Fetch, Chunk, Text, End, Cancel)) or (isinstance(msg, Error) and msg.req is not None):
+        if in_request(msg):  # ACKs go by themselves, as each chunk arrives
             raise TypeError(f"send {msg.TYPE} through fetch()/cancel() or the handler's ServedFetch")
         return await self._send(msg)
 
@@ -243,15 +224,14 @@ class PeerConnection(asyncio.Protocol):
         # milliseconds) goes just past it. Even one answered already: its waiter's cleanup
         # below, run after the answer, must not find a later PING under its time.
         t = self._last_ping = max(sent, math.nextafter(self._last_ping, math.inf))
-        fut = self._pings[t] = self._loop.create_future()
-        if pad is None:  # a padded PING's round trip holds its transfer: no measure of the clocks
-            self._ping_walls[t] = self._wall_clock()
+        fut = self._loop.create_future()
+        # a padded PING's round trip holds its transfer: no measure of the clocks
+        self._pings[t] = (fut, self._wall_clock() if pad is None else None)
         try:
             await self._send(Ping(t, pad))
             return sent, await fut  # (the clock's time, not the PING's: its PONG may come in the same tick)
         finally:  # answered, or given up on (a caller's timeout): either way no longer waited for
             self._pings.pop(t, None)
-            self._ping_walls.pop(t, None)
 
     def close(self, code: str = NORMAL, msg: str = "") -> None:
         """Tell the peer why (an ERROR frame), flush, and close the socket."""
@@ -306,9 +286,9 @@ class PeerConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
-        self._stall_mark = (self._loop.time(), self.write_buffer_bytes)
+        self._write_stall.on_paused(self.write_buffer_bytes, self._loop.time())
         if self._stall_check is None:
-            self._stall_check = self._loop.call_later(self._write_stall_s / 4, self._check_stall)
+            self._stall_check = self._loop.call_at(self._write_stall.next_check(), self._check_stall)
 
     def resume_writing(self) -> None:
         self._writable.set()
@@ -339,23 +319,17 @@ class PeerConnection(asyncio.Protocol):
         return size
 
     def _check_stall(self) -> None:
-        """While writing is paused: end the connection once its write buffer has not shrunk
-        for write_stall_s (the peer reads nothing), dropping what is queued."""
+        """Writing paused: end the connection, dropping what is queued, once WriteStall says so."""
         self._stall_check = None
         if self._writable.is_set() or self._transport_gone():
             return
-        now, size = self._loop.time(), self.write_buffer_bytes
-        since, was = self._stall_mark
-        if size < was:
-            self._stall_mark = (now, size)
-        elif now - since >= self._write_stall_s:
-            msg = (f"the peer took none of the {size} bytes queued to it for {now - since:.1f} s "
-                   f"(write_stall_s {self._write_stall_s:g}); dropped")
-            self.conn.close(WRITE_STALLED, msg)  # first: uvloop's abort reports the loss at once
+        verdict = self._write_stall.verdict(self.write_buffer_bytes, self._loop.time())
+        if verdict.what == STALLED:
+            self.conn.close(WRITE_STALLED, verdict.reason)  # first: uvloop's abort reports the loss at once
             self._transport.abort()  # close() would wait for the bytes that do not drain; the ERROR is never written
             self._process()
             return
-        self._stall_check = self._loop.call_later(self._write_stall_s / 4, self._check_stall)
+        self._stall_check = self._loop.call_at(self._write_stall.next_check(), self._check_stall)
 
     def _transport_gone(self) -> bool:
         return self._transport is None or self._transport.is_closing()
@@ -406,8 +380,7 @@ class PeerConnection(asyncio.Protocol):
 
     def _received(self, msg: Message, size: int, now: float) -> None:
         if isinstance(msg, Pong):
-            fut = self._pings.pop(msg.time, None)
-            wall = self._ping_walls.pop(msg.time, None)
+            fut, wall = self._pings.pop(msg.time, (None, None))
             if wall is not None and msg.wall is not None:
                 # the peer read its clock about half a round trip after ours went
                 self.clock_offset = msg.wall - (wall + (now - msg.time) / 2)
@@ -491,9 +464,6 @@ class PeerConnection(asyncio.Protocol):
         self.closed = event
         if self._timer:
             self._timer.cancel()
-        if self._stall_check is not None:
-            self._stall_check.cancel()
-            self._stall_check = None
         level = logging.INFO if event.code in (NORMAL, CONNECTION_LOST) else logging.WARNING
         log.log(level, "peer %s: closed (%s, by %s): %s", self._label, event.code,
                 "peer" if event.by_peer else "us", event.msg)
@@ -505,13 +475,12 @@ class PeerConnection(asyncio.Protocol):
         for served in list(self._served.values()):
             if served.task is not None:
                 served.task.cancel()
-        for fut in self._pings.values():
+        for fut, _ in self._pings.values():
             if not fut.done():
                 fut.set_exception(self._closed_error())
         self._pings.clear()
-        self._ping_walls.clear()
         self._inbox.put_nowait(None)
-        self._writable.set()  # wake writers so they see the close
+        self.resume_writing()  # wake writers so they see the close; no more write-stall checks
 
 
 class Server:
