@@ -66,6 +66,17 @@ def user_profile_folder(tmp_path_factory) -> Path:
         os.environ[registry.PROFILE_DIR_ENV] = before
 
 
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A pinned environment for kvstreamd.config.load(path, env): computed defaults follow it, no
+    /etc file is consulted."""
+    from kvstreamd import config
+
+    monkeypatch.setattr(config, "DEFAULT_PATH", tmp_path / "etc-kvstreamd-config.toml")
+    return {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state"),
+            "HOME": str(tmp_path / "home")}
+
+
 @pytest.fixture(scope="session")
 def small_profile(tmp_path_factory) -> profiles.Profile:
     samples = [(synthetic_kv(400, seed=1), 0), (synthetic_kv(300, seed=2), 400)]

@@ -16,14 +16,6 @@ from kvstreamd.config import ConfigError, load, parse_hostport, parse_size
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    """A pinned environment: computed defaults follow it, no /etc file is consulted."""
-    monkeypatch.setattr(config, "DEFAULT_PATH", tmp_path / "etc-kvstreamd-config.toml")
-    return {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state"),
-            "HOME": str(tmp_path / "home")}
-
-
 def write(tmp_path: Path, text: str, name: str = "kvstreamd.toml") -> Path:
     path = tmp_path / name
     path.write_text(text)

@@ -82,14 +82,6 @@ def test_no_experiment_puts_every_fetch_in_control():
 
 # -- [policy] experiment -------------------------------------------------------------------------
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    from kvstreamd import config
-    monkeypatch.setattr(config, "DEFAULT_PATH", tmp_path / "etc-kvstreamd-config.toml")
-    return {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state"),
-            "HOME": str(tmp_path / "home")}
-
-
 def test_an_experiment_is_read_from_a_policy_table(env, tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[policy.experiment]\nfraction = 0.01\nrule = "cachegen"\nlevels = ["balanced", "fast"]\n')

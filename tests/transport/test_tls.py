@@ -261,13 +261,6 @@ def test_files_that_do_not_load_are_named(pki, tmp_path):
         assert (e.value.which, e.value.path) == (which, path) and why in e.value.why, (which, str(e.value))
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "DEFAULT_PATH", tmp_path / "etc-kvstreamd-config.toml")
-    return {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state"),
-            "HOME": str(tmp_path / "home")}
-
-
 def write(tmp_path, text: str):
     path = tmp_path / "kvstreamd.toml"
     path.write_text(text)
