@@ -22,7 +22,8 @@ from tests.fixtures import SMALL, is_system_fixture, synthetic_kv, system_fixtur
 #   fixtures that start daemon processes or run the CLI; a test using one, directly or through
 #   another fixture, is marked here;
 # - what a test's body does itself (a daemon process, a network namespace, a subprocess of the
-#   CLI or of Python, promtool, systemd-analyze, vLLM): an explicit `@pytest.mark.system`, or
+#   CLI or of Python, codec workers of its own that it kills, promtool, systemd-analyze, vLLM):
+#   an explicit `@pytest.mark.system`, or
 #   `pytestmark` where the whole file does.
 # A daemon in the test's loop (`inprocess`) is not one: it takes a fraction of a second on the
 # session's codec pool. tests/system/ holds files of system tests only: a test there that is not

@@ -63,6 +63,7 @@ async def until_replaced(d, c: AsyncClient, restarts: int, timeout: float = 60.0
 
 # -- a killed codec worker ---------------------------------------------------------------------
 
+@pytest.mark.system  # codec worker processes of its own, one SIGKILLed and replaced
 async def test_a_killed_codec_worker_is_degraded_health_until_replaced(inprocess):
     (a,) = await inprocess(["a"], own_pool=True)  # its worker is killed
     victim = a.coder.pool.pids()[0]
@@ -83,6 +84,7 @@ async def test_a_killed_codec_worker_is_degraded_health_until_replaced(inprocess
     assert "kvstreamd_codec_worker_restarts_total 1.0" in text
 
 
+@pytest.mark.system  # codec worker processes of its own, one SIGKILLed and replaced
 async def test_after_a_codec_worker_is_killed_the_next_put_and_fetch_succeed(inprocess, small_profile):
     (a,) = await inprocess(["a"], own_pool=True)  # its worker is killed
     tokens, kv = context(600)
@@ -96,6 +98,7 @@ async def test_after_a_codec_worker_is_killed_the_next_put_and_fetch_succeed(inp
         assert torch.equal(got[:, :, ev.start:ev.end], decoded(kv, small_profile, ev.start, ev.end, ev.level))
 
 
+@pytest.mark.system  # codec worker processes of its own, one SIGKILLed and replaced
 async def test_a_put_racing_a_worker_kill_is_stored_or_fails_with_the_real_error(inprocess, small_profile):
     (a,) = await inprocess(["a"], own_pool=True)  # its worker is killed
     n = 96  # ~0.5 s of encoding on an idle machine (48 chunks once finished inside the 0.3 s this waited)
