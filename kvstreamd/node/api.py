@@ -76,7 +76,7 @@ MAX_BODY = 64 * 2**20  # token lists of 100K+ tokens as JSON stay far below this
 
 
 class Node(Protocol):
-    """All the API asks of the node (kvstreamd.node.Node is the one there is)."""
+    """All the API asks of the node (kvstreamd.node.node.Node is the one there is)."""
 
     def health(self) -> dict: ...
     def metrics_text(self) -> bytes: ...

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from codec.tuning import catalog
 from transport import aio
@@ -32,19 +32,44 @@ from transport.policy import TEXT
 from kvstreamd.cluster.admission import Refused, Wanted, admit
 from kvstreamd.cluster.shares import Shares, level_tier, needed_level
 from kvstreamd.node.endings import ending_of
-from kvstreamd.node.stages import Busy, Item
+from kvstreamd.cluster.peers import PeerManager
+from kvstreamd.coder import Coder
+from kvstreamd.metrics import Metrics
+from kvstreamd.node.options import FetchOptions
+from kvstreamd.node.plan import Plan
+from kvstreamd.node.stages import Busy, FetchResult, Item
 from kvstreamd.store.keys import chunk_ranges
 
-if TYPE_CHECKING:
-    from kvstreamd.node.fetch import FetchJob
-
 log = logging.getLogger(__name__)
+
+
+class Job(Protocol):
+    """All the peers' part asks of its fetch (node.fetch.FetchJob is the one there is)."""
+
+    plan: Plan
+    options: FetchOptions
+    levels: list[str]
+    result: FetchResult
+    metrics: Metrics
+    peers: PeerManager
+    coder: Coder
+    stages: object  # codec.gpu.CudaStages, or None: decoded on the CPU
+    t0: float  # time.monotonic() the request arrived
+    prefix_tokens: int | None  # what a peer is told of the prefix (Fetch.prefix_tokens)
+
+    @property
+    def wait_s(self) -> float: ...  # seconds from t0 that peers' chunks are waited for (grace aside)
+    @property
+    def peers_until(self) -> float: ...  # time.monotonic() after which no peer is waited for
+    def remaining_ms(self) -> int: ...  # of the deadline
+    def layers(self, i: int) -> tuple[int, ...]: ...  # of chunk i, that this fetch moves
+    async def upload(self, item: Item) -> None: ...  # on a GPU: staged on the receive stream
 
 
 class FromPeers:
     """One fetch's chunks from its peers (FetchJob.run's receive stage, after the local ones)."""
 
-    def __init__(self, job: FetchJob) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
         self.plan = job.plan
         self.options = job.options
