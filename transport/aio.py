@@ -9,6 +9,7 @@ Connection's events meet asyncio's callbacks; split, each half would need the ot
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import math
@@ -168,23 +169,16 @@ class PeerConnection(asyncio.Protocol):
         except ConnectionClosedError:
             raise StopAsyncIteration from None
 
-    def fetch(self, keys: list[bytes], deadline_ms: int, levels: list[str],
-              decode_mbps: float | None = None, recompute_tps: float | None = None, *,
-              stall_s: float | None = None, limit_s: float | None = None,
-              prefix_tokens: int | None = None, rule: str | None = None, text_last: bool = False,
-              wait_ms: int | None = None, recompute_doubling: float | None = None) -> FetchCall:
-        """Send a FETCH and return the iterator of its chunks (ACKs are sent as each arrives).
-        With `stall_s` the iterator gives up (FetchStalled) on a peer silent that long, with
-        `limit_s` (FetchTimedOut) that many seconds from now; both send CANCEL (FetchCall).
-        `wait_ms`: how long past the FETCH's arrival the fetcher takes chunks, where longer than
-        the deadline (Fetch.wait_ms). `recompute_doubling`: Fetch.recompute_doubling."""
+    def fetch(self, ask: Fetch, *, stall_s: float | None = None, limit_s: float | None = None) -> FetchCall:
+        """Send the FETCH `ask` (Fetch.ask; numbered here with this side's next request id) and
+        return the iterator of its chunks (ACKs are sent as each arrives). With `stall_s` the
+        iterator gives up (FetchStalled) on a peer silent that long, with `limit_s`
+        (FetchTimedOut) that many seconds from now; both send CANCEL (FetchCall)."""
         self._check_open()
         req = self.conn.next_request_id()
         call = FetchCall(self, req, self._taken, stall_s=stall_s, limit_s=limit_s)
         self._calls[req] = call
-        self.conn.send(Fetch(req, list(keys), int(deadline_ms), list(levels), decode_mbps, recompute_tps, prefix_tokens,
-                             rule, text_last or None, wait_ms, recompute_doubling),
-                       self._loop.time())
+        self.conn.send(dataclasses.replace(ask, req=req), self._loop.time())
         self._flush()
         return call
 
