@@ -257,7 +257,8 @@ async def test_fetch_job_decodes_through_the_stages_when_it_has_them(small_profi
     from codec.layout import PrefixKV
     from kvstreamd.config import Config
     from kvstreamd.requests import FetchRequest
-    from kvstreamd.node.fetch import FetchJob, plan
+    from kvstreamd.node.fetch import FetchJob
+    from kvstreamd.node.plan import plan
     from kvstreamd.node.options import FetchOptions
     from kvstreamd.store.chunkfile import ChunkRecord
     from kvstreamd.store.keys import chunk_keys
