@@ -4,8 +4,13 @@ It holds, per (layer, K/V): the PCA mean and basis of the (un-rotated) channels,
 component's standard deviation and the pooled shape of their distribution (for the entropy
 coder), the same statistics for CacheGen's anchor/delta configuration, the measured
 sensitivity of the model to errors there, and the steps that sensitivity implies.
-Calibrate once from sample KV, save as a safetensors file (no pickle), ship it; `registry`
-finds the files and says which profile each model codes with.
+Calibrate once from sample KV, save as a safetensors file (no pickle), ship it;
+codec.tuning.registry finds the files and says which profile each model codes with.
+
+It is the method's, its fit included: the statistics are those of the method's own transforms
+on sample KV (fit runs pca, anchor, rope), the data encoder and decoder run on. What is tuned
+against the model on held-out text (level scales, rate control, token steps, level costs) it
+only carries in its meta, for codec.tuning.tuned to read and write.
 """
 from __future__ import annotations
 
