@@ -32,11 +32,8 @@ import numpy as np
 from ..bitstream import TOP_CLASS
 from ..errors import CodecError
 from ..profile import Profile
-# The method's half, by the names callers know them here: what a class multiplies a step by, and
-# a caller's classes validated (kvstreamd.node.puts).
-from ..steps import check_classes as check, class_step, multipliers  # noqa: F401
 from .levels import LADDER, LEVELS, Level, get as get_level
-from .tuned import DEFAULT_POWER, DEFAULT_TOP, Tuning  # noqa: F401 (DEFAULT_POWER: the rule's, by name)
+from .tuned import DEFAULT_TOP, Tuning
 
 # The weights come from the queries of the rate probes' layout at this spacing -- the 64 tokens
 # after every PROBE_EVERY tokens and the context's last 64 (rate_probe.probe_rows(n, PROBE_EVERY))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import codec
-from codec import baselines, bitstream as bs
+from codec import baselines, bitstream as bs, steps
 from codec.tuning import rate, registry, token_steps
 from codec.tuning.levels import LEVELS
 
@@ -200,7 +200,7 @@ def _class_spread(classes) -> dict:
     (layer, token)s in each class and the mean multiplier on their steps."""
     share = np.bincount(classes, minlength=bs.TOP_CLASS + 1) / classes.size
     return {"class_share": [round(float(x), 4) for x in share],
-            "mean_multiplier": round(float(token_steps.multipliers(classes).mean()), 3)}
+            "mean_multiplier": round(float(steps.multipliers(classes).mean()), 3)}
 
 
 def run(tokens: int = 3072, contexts: int = 3, continuation: int = 256, chunk_tokens: int = 1024,

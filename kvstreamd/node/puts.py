@@ -10,7 +10,8 @@ from typing import Callable
 
 import numpy as np
 
-from codec.tuning import catalog, rate, token_steps
+from codec import steps
+from codec.tuning import catalog, rate
 from codec.errors import CodecError
 from codec.pool.parallel import WorkerLost
 from codec.profile import Profile
@@ -201,6 +202,6 @@ def _classes(prof: Profile, raw: bytes | None, tokens: int):
         raise RequestError(400, "bad_token_classes", f"token_classes hold {len(raw)} bytes: not {prof.layers} layers "
                                                      f"x at least {tokens} tokens")
     try:
-        return token_steps.check(np.frombuffer(raw, np.uint8).reshape(prof.layers, n), prof.layers, n)[:, :tokens]
+        return steps.check_classes(np.frombuffer(raw, np.uint8).reshape(prof.layers, n), prof.layers, n)[:, :tokens]
     except CodecError as e:
         raise RequestError(400, "bad_token_classes", str(e)) from None

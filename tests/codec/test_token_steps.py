@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import codec
-from codec import bitstream as bs, gpu
+from codec import bitstream as bs, gpu, steps
 from codec.errors import CodecError
 from codec.pool.parallel import CodecPool
 from codec.tuning import named, registry, token_steps
@@ -44,7 +44,7 @@ def test_the_rule_keeps_read_tokens_fine_and_coarsens_the_rest_by_the_power(step
     assert got[0, 1] == 2 * round(np.log2((1 / 16 / mean) ** -0.25)) == 2  # whole octaves: a step twice as coarse
     assert set(np.unique(token_steps.classes(np.random.default_rng(1).lognormal(0, 3, (L, 500)), stepped))) == {0, 2, 4}
     assert got[0, 2] == 2 * np.log2(token_steps.DEFAULT_TOP) == 4 and got[0, 3] == 0
-    assert np.array_equal(token_steps.multipliers(np.array([0, 2, 6], np.uint8)), [1.0, 2.0, 8.0])
+    assert np.array_equal(steps.multipliers(np.array([0, 2, 6], np.uint8)), [1.0, 2.0, 8.0])
     with pytest.raises(CodecError):
         token_steps.classes(np.ones((L + 1, 6)), stepped)  # not the profile's layers
     with pytest.raises(CodecError):
@@ -151,7 +151,7 @@ def test_warming_a_level_builds_each_token_classs_tables(stepped):
     named.warm(decoder.Decoder(prof), "fast")
     steps = codec.LEVELS["fast"].steps(prof)
     built = {(k[1], k[2], k[3]) for k in prof._models if k[0] == "rans"}
-    want = {(l, kv, token_steps.class_step(float(steps[l, kv]), c))
+    want = {(l, kv, codec.steps.class_step(float(steps[l, kv]), c))
             for l in range(prof.layers) for kv in range(2) for c in (0, 2, 4)}
     assert want <= built
     assert token_steps.rule_classes("max", prof) == [0] and token_steps.rule_classes("fast", prof) == [0, 2, 4]
