@@ -44,6 +44,22 @@ def roundtrip(kv, level, profile):
     return torch.cat(parts, 2), nbytes * 8 / kv.numel()
 
 
+@pytest.fixture(scope="module")
+def coded(lm, case, shipped):
+    """`coded(level)`: the case's KV round-tripped at `level` (the decoded KV, bits per element)
+    and the continuation's logits on it, made once for the module, though several tests judge a
+    level (the codec's bytes are deterministic, and so are the decode and the logits)."""
+    kv, cont, _ = case
+    made: dict[str, tuple] = {}
+
+    def at(level: str) -> tuple[torch.Tensor, float, torch.Tensor]:
+        if level not in made:
+            dec, bits = roundtrip(kv, level, shipped)
+            made[level] = (dec, bits, models.continuation_logits(lm, dec, cont))
+        return made[level]
+    return at
+
+
 def test_shipped_profile_matches_the_model(lm, shipped):
     assert shipped.model_id == lm.model_id
     assert (shipped.layers, shipped.heads, shipped.head_dim) == (lm.num_layers, lm.num_kv_heads, lm.head_dim)
@@ -53,49 +69,47 @@ def test_shipped_profile_matches_the_model(lm, shipped):
 
 @pytest.mark.parametrize("level,max_bits,max_kl", [("high", 4.0, 0.004), ("balanced", 3.0, 0.01),
                                                     ("fast", 1.9, 0.05)])
-def test_each_level_keeps_predictions_close_at_its_size(lm, case, shipped, level, max_bits, max_kl):
+def test_each_level_keeps_predictions_close_at_its_size(case, coded, level, max_bits, max_kl):
     kv, cont, ref = case
-    dec, bits = roundtrip(kv, level, shipped)
+    dec, bits, logits = coded(level)
     assert dec.dtype == kv.dtype and dec.shape == kv.shape
     assert torch.equal(dec[:, :, 0], kv[:, :, 0])  # the attention sink is exact
-    logits = models.continuation_logits(lm, dec, cont)
     assert bits < max_bits
     assert quality.kl(ref, logits) < max_kl
     assert quality.top1_agreement(ref, logits) > 0.85
 
 
-def test_levels_are_ordered_by_size_and_quality(lm, case, shipped):
+def test_levels_are_ordered_by_size_and_quality(case, coded):
     kv, cont, ref = case
     sizes, kls = [], []
     for level in codec.LADDER:
-        dec, bits = roundtrip(kv, level, shipped)
+        _, bits, logits = coded(level)
         sizes.append(bits)
-        kls.append(quality.kl(ref, models.continuation_logits(lm, dec, cont)))
+        kls.append(quality.kl(ref, logits))
     assert sizes[0] > sizes[1] > sizes[2]
     assert kls[0] < kls[2]
 
 
-def test_max_sits_between_int8_and_high_in_size_and_below_both_in_kl(lm, case, shipped):
+def test_max_sits_between_int8_and_high_in_size_and_below_both_in_kl(lm, case, coded):
     # `max` is for answers that must not move: nearer the exact cache than int8, in fewer bytes.
     from codec import baselines
 
     kv, cont, ref = case
-    dec, bits = roundtrip(kv, "max", shipped)
-    _, high_bits = roundtrip(kv, "high", shipped)
+    _, bits, max_logits = coded("max")
+    _, high_bits, _ = coded("high")
     int8 = baselines.SCHEMES["int8"]
     as_int8 = torch.cat([int8.decode(int8.encode(kv[:, :, s:s + CHUNK].contiguous())) for s in range(0, kv.shape[2], CHUNK)], 2)
-    kl = {name: quality.kl(ref, models.continuation_logits(lm, x, cont)) for name, x in (("max", dec), ("int8", as_int8))}
+    kl = {"max": quality.kl(ref, max_logits), "int8": quality.kl(ref, models.continuation_logits(lm, as_int8, cont))}
     assert high_bits < bits < 8.0
     assert kl["max"] < kl["int8"] / 2, kl
 
 
 @pytest.mark.parametrize("level", ["high", "balanced"])
-def test_no_confident_prediction_flips(lm, case, shipped, level):
+def test_no_confident_prediction_flips(case, coded, level):
     # WikiText is full of near-ties (greedy runs part ways on them), so the property is about
     # the predictions the exact cache is sure of: a top-1/top-2 margin above one nat.
     kv, cont, ref = case
-    dec, _ = roundtrip(kv, level, shipped)
-    logits = models.continuation_logits(lm, dec, cont)
+    _, _, logits = coded(level)
     top2 = ref.topk(2, dim=-1).values
     sure = (top2[:, 0] - top2[:, 1]) > 1.0
     assert sure.sum() > 20

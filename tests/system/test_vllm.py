@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -34,24 +35,30 @@ def world(request, lm, tmp_path_factory):
         lm = models.load(request.param)
     folder = engine_folder(request.param, root / "model")
     daemon = DaemonProcess("a", root / "a", extra={"codec": {"chunk_tokens": CHUNK, "levels": ["fp16", "high"]},
-                                                   "store": {"memory_budget": 0}}).start()
+                                                   "store": {"memory_budget": 0}})
     text = (corpus.wikitext_dir() / "test.txt").read_text()[5000:45000]
     ids = lm.tokenizer.encode(text)
     docs = {name: ids[s:s + n] for name, s, n in (("held", 0, 4 * CHUNK), ("computed", 1500, 3 * CHUNK + 40),
                                                      ("damaged", 3000, 4 * CHUNK))}
     question = lm.tokenizer.encode(" Question: what is the text above about? Answer:")
-    engines = []
+    building: list[Future] = []
     try:
-        try:
-            engines.append(Engine(folder, None, root / "plain.log"))
-        except FileNotFoundError as e:
-            pytest.fail(str(e))
-        engines.append(Engine(folder, connector_config(daemon.socket, levels=["fp16"]), root / "connected.log"))
-        plain, connected = engines
+        # The two engines build at once (20-40 s each), the plain one while the daemon starts; the
+        # connected one once it answers. Each waits on its engine's "ready" line, not the CPU.
+        with ThreadPoolExecutor(2) as pool:
+            building.append(pool.submit(Engine, folder, None, root / "plain.log"))
+            daemon.start()
+            building.append(pool.submit(Engine, folder, connector_config(daemon.socket, levels=["fp16"]),
+                                        root / "connected.log"))
+        for f in building:
+            if isinstance(f.exception(), FileNotFoundError):
+                pytest.fail(str(f.exception()))
+        plain, connected = [f.result() for f in building]
         yield {"lm": lm, "daemon": daemon, "docs": docs, "question": question, "plain": plain, "connected": connected}
     finally:
-        for engine in engines:
-            engine.close()
+        for f in building:  # (all done: the pool's `with` waited for them)
+            if f.done() and f.exception() is None:
+                f.result().close()
         daemon.stop()
 
 
