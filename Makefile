@@ -48,8 +48,11 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -c "import vllm, kvstreamd.engines.vllm_connector"
 	touch $(VLLM_STAMP)
 
+# Two pytest-xdist workers, a file each at a time (module fixtures stay whole): on two cores the suite
+# leaves one core idle much of the time when run alone (daemons starting, shaped links, servers).
+JOBS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile
 
 # The inner loop: every test but the `system` ones (daemon processes, namespaces, root, the real model, servers,
 # CLI subprocesses: marked by what a test uses, tests/conftest.py), in-process daemons included.

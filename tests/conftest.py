@@ -14,7 +14,7 @@ import torch
 
 from codec import profile as profiles
 from codec.tuning import registry
-from tests.fixtures import SMALL, is_system_fixture, synthetic_kv, system_fixture
+from tests.fixtures import MODEL_THREADS, SMALL, is_system_fixture, synthetic_kv, system_fixture
 
 # What makes a test a `system` test (pyproject.toml's markers) is what it uses, not where it lives:
 # - a fixture that starts or loads something, marked so with `system_fixture` (tests/fixtures.py):
@@ -50,6 +50,11 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("tests/system/ holds system tests only; these use no daemon process, model, "
                                 "server, namespace or subprocess (move them to their room's folder, or mark "
                                 "what they use):\n  " + "\n  ".join(unmarked))
+    # Files holding system tests run first (their order within a file kept): with pytest-xdist's
+    # workers taking a file at a time (`make test`), the long files start early and the short
+    # ones fill in at the end, so no worker finishes minutes before the other.
+    slow = {item.path for item in items if item.get_closest_marker("system") is not None}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -98,7 +103,7 @@ def small_profile(tmp_path_factory) -> profiles.Profile:
 def lm():
     from kvstreamd import models
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(MODEL_THREADS)
     return models.load()
 
 

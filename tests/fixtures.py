@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
 import struct
 import threading
@@ -29,6 +30,12 @@ from transport.policy import Choice
 
 DATA = Path(__file__).resolve().parent / "data"  # files the tests read: golden bitstreams, old stores, recorded visits
 REPO = Path(__file__).resolve().parents[1]
+
+# Threads torch takes in the test process for the real models: both cores when the suite runs
+# alone; one in each of pytest-xdist's two workers (`make test`), where a second OpenMP thread
+# spin-waits against the other worker (a codec-sensitivity test went from 24 s to 181 s).
+# Results do not depend on the thread count.
+MODEL_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 # -- what makes a test a `system` test (conftest.py) ------------------------------------------
 

@@ -3,11 +3,13 @@
 `kvstreamd bench e2e` stand a cluster up with."""
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,17 +18,63 @@ from ..client import Client, ClientError
 
 
 _HANDED_OUT: set[int] = set()
+# Ports handed out are claimed across processes too (two test runs side by side, pytest-xdist's
+# workers): a file per port in this folder holds the claiming pid; a dead pid's claim is taken over.
+CLAIMS = Path(tempfile.gettempdir()) / "kvstreamd-lab-ports"
+
+
+def _claim(port: int) -> bool:
+    CLAIMS.mkdir(exist_ok=True)
+    path = CLAIMS / str(port)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                owner = int(path.read_text() or 0)
+            except (OSError, ValueError):
+                return False
+            if owner == os.getpid() or _alive(owner):
+                return False
+            path.unlink(missing_ok=True)  # its process is gone: the claim is stale
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+@atexit.register
+def _release_claims() -> None:
+    for port in _HANDED_OUT:
+        path = CLAIMS / str(port)
+        try:
+            if path.read_text() == str(os.getpid()):
+                path.unlink()
+        except (OSError, ValueError):
+            pass
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now and that this process has not handed out before:
+    """A loopback port nothing listens on now and that no live process has had from here before:
     the kernel may give a port it just gave (and that was closed at once) again, and two daemons
-    of one test were once handed the same one ("peers[1] ... is listed twice")."""
+    of one test were once handed the same one ("peers[1] ... is listed twice"); two test processes
+    side by side would hand out one port twice the same way (a claim file each, CLAIMS)."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
+        if port not in _HANDED_OUT and _claim(port):
             _HANDED_OUT.add(port)
             return port
 

@@ -157,14 +157,31 @@ def test_pool_gives_the_same_bytes_and_tensors_on_real_kv(case, shipped):
         assert torch.equal(pool.decode(data), codec.decode(data))
 
 
+@pytest.fixture(scope="module")
+def calibrated(lm):
+    """`calibrated(rate_control)`: the whole calibration at a toy size, made once a module. The
+    one without rate control takes the sensitivity the one with it measured (calibrate's
+    `sensitivity`, as `profile calibrate --sensitivity-from`): that measurement does not depend
+    on rate control, and it is most of a calibration's time."""
+    made: dict[bool, codec.Profile] = {}
+
+    def run(rate_control: bool) -> codec.Profile:
+        if rate_control not in made:
+            first = None if rate_control else run(True).tensors["sensitivity"]
+            made[rate_control] = calibrate.calibrate(
+                lm, contexts=1, tokens=160, sensitivity_contexts=1, sensitivity_tokens=128, continuation=16,
+                tuning_contexts=1, tuning_tokens=128, tuning_continuation=16, sensitivity=first,
+                rate_control=rate_control, log=lambda _msg: None)
+        return made[rate_control]
+    return run
+
+
 @pytest.mark.parametrize("rate_control", [True, False])
-def test_calibration_makes_a_working_profile(lm, tmp_path, rate_control):
+def test_calibration_makes_a_working_profile(lm, tmp_path, calibrated, rate_control):
     """The whole calibration at a toy size (what it makes is checked to work, not to be good:
     the shipped profile's quality is test_shipped_profile_matches_the_model's and the levels' tests'),
     with per-chunk rate control and without (`profile calibrate --no-rate-control`)."""
-    prof = calibrate.calibrate(lm, contexts=1, tokens=160, sensitivity_contexts=1, sensitivity_tokens=128,
-                               continuation=16, tuning_contexts=1, tuning_tokens=128, tuning_continuation=16,
-                               rate_control=rate_control, log=lambda _msg: None)
+    prof = calibrated(rate_control)
     path = prof.save(tmp_path / "small.kvprofile")
     loaded = codec.Profile.load(path)
     assert loaded.id == prof.id

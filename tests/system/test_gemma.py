@@ -7,7 +7,7 @@ import torch
 
 from codec.tuning import registry
 from codec.layout import PrefixKV
-from tests.fixtures import system_fixture
+from tests.fixtures import MODEL_THREADS, system_fixture
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ from tests.fixtures import system_fixture
 def gemma():
     from kvstreamd import models
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(MODEL_THREADS)
     return models.load("gemma3-270m")
 
 

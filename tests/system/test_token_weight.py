@@ -18,6 +18,7 @@ from kvstreamd import models
 from kvstreamd.lab import corpus
 from kvstreamd.models import put as put_mod, rate_probe, token_weight
 from tests.node.test_api import client
+from tests.fixtures import MODEL_THREADS
 
 pytestmark = pytest.mark.system
 
@@ -26,7 +27,7 @@ CHUNK = 256
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def model(request):
-    torch.set_num_threads(2)
+    torch.set_num_threads(MODEL_THREADS)
     return models.load(request.param)
 
 
