@@ -210,7 +210,7 @@ class CodecConfig:
     profile: Path | None = _key(None, parse=_path)
     workers: int = _key(0, parse=_int(0))
     device: str = _key("auto", parse=_device)
-    warm_tables: str = _key("first_use", parse=_choice("first_use", "start"))
+    warm_tables: str = _key("first_use", parse=_choice("first_use", "start", "lazy"))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from codec import profile as profiles
 from codec.tuning import registry
-from tests.fixtures import MODEL_THREADS, SMALL, is_system_fixture, synthetic_kv, system_fixture
+from tests.fixtures import MODEL_THREADS, SMALL, SYNTHETIC_CODEC, is_system_fixture, synthetic_kv, system_fixture
 
 # What makes a test a `system` test (pyproject.toml's markers) is what it uses, not where it lives:
 # - a fixture that starts or loads something, marked so with `system_fixture` (tests/fixtures.py):
@@ -142,7 +142,7 @@ async def inprocess(tmp_path, small_profile, codec_pool):
         if profile is not None:
             path = tmp_path / f"{profile.id.hex()}.kvprofile"
             profile.save(path)
-        codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(path), **extra.pop("codec", {})}
+        codec_cfg = {**SYNTHETIC_CODEC, "profile": str(path), **extra.pop("codec", {})}
         nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": codec_cfg, **extra, **(per_node or {}).get(n, {})})
                  for n in names]
         daemons = []

@@ -69,15 +69,23 @@ def synthetic_kv(tokens: int, seed: int = 0, layers=SMALL["layers"], heads=SMALL
     return kv
 
 
+# A daemon process coding with the synthetic profile: 256-token chunks, one worker, and no tables
+# built as the worker starts ([codec] warm_tables = "lazy"): the synthetic profile's tables take
+# milliseconds at its first chunk, where warming the shipped models' ones, which such a daemon
+# never codes with, took ~4 CPU-seconds a start (sixteen daemons in one test).
+SYNTHETIC_CODEC = {"chunk_tokens": 256, "workers": 1, "warm_tables": "lazy"}
+
+
 def synthetic_daemon(root, name: str, profile: profiles.Profile, codec: dict | None = None, **extra: dict):
     """A real daemon process (kvstreamd.lab.daemons.DaemonProcess, not started) under root/name,
     coding with `profile` (the small synthetic one), 256-token chunks and one codec worker
-    unless `codec` says otherwise; `extra` adds config sections."""
+    unless `codec` says otherwise; `extra` adds config sections. Its worker builds no tables
+    as it starts (SYNTHETIC_CODEC)."""
     from kvstreamd.lab.daemons import DaemonProcess
 
     path = root / f"{name}.kvprofile"
     profile.save(path)
-    codec_cfg = {"chunk_tokens": 256, "workers": 1, "profile": str(path), **(codec or {})}
+    codec_cfg = {**SYNTHETIC_CODEC, "profile": str(path), **(codec or {})}
     return DaemonProcess(name, root / name, extra={"codec": codec_cfg, **extra})
 
 

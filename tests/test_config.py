@@ -189,6 +189,7 @@ ERRORS = [
     ('[peer]\nmax_frame_bytes = "1kB"\n', "[peer] max_frame_bytes", "out of range (>= 64KiB and < 4GiB)"),
     ('[peer]\nmax_frame_bytes = "4GiB"\n', "[peer] max_frame_bytes", "out of range"),
     ('[node]\nlog_level = "loud"\n', "[node] log_level", '"loud" is not one of debug, info, warning, error'),
+    ('[codec]\nwarm_tables = "never"\n', "[codec] warm_tables", '"never" is not one of first_use, start, lazy'),
     ('[node]\nid = "' + "é" * 128 + '"\n', "[node] id", "256 bytes of UTF-8"),
     ("[api]\nmax_fetches = 0\n", "[api] max_fetches", "0 is out of range (>= 1)"),
     ("[api]\nbuffer_lease_s = -5\n", "[api] buffer_lease_s", "must be > 0"),

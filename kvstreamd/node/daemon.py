@@ -143,8 +143,8 @@ class Daemon:
             log.warning("store: skipped corrupt file %s: %s", path, why)
             self.metrics.error("store_corrupt")
         try:
-            self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, cfg.codec.levels,
-                                                   self._codec_pool)
+            warm = () if cfg.codec.warm_tables == "lazy" else cfg.codec.levels  # the levels' tables, at start
+            self.coder = await asyncio.to_thread(Coder, cfg.workers(), cfg.codec.profile, warm, self._codec_pool)
         except CodecError as e:  # the profile file does not load: a bad configuration, as a bad secret file
             raise ConfigError(f"{cfg.where('[codec] profile')}: {e}") from None
         except (OSError, BrokenExecutor) as e:  # no processes, file descriptors or memory to start them

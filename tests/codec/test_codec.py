@@ -371,6 +371,18 @@ def test_each_worker_keeps_the_tables_of_its_share_of_the_streams(small_profile)
         assert pool.streams_with_tables(small_profile) == runs
 
 
+def test_a_pool_warming_no_level_starts_without_tables_and_builds_its_share_at_the_first_chunk(small_profile):
+    """No warm levels (a daemon's [codec] warm_tables = "lazy"): the workers start with no
+    entropy tables, and the first chunk decoded builds each worker's share, the very tables a
+    warmed pool holds, and decodes as codec.decode does."""
+    from codec.pool.parallel import split
+    data = codec.encode(synthetic_kv(64, 7).to(torch.float16), "high", small_profile, start=0)
+    with CodecPool(2, profile_paths=(small_profile.path,), warm_levels=()) as pool:
+        assert pool.streams_with_tables(small_profile) == [[], []]
+        assert torch.equal(pool.decode(data), codec.decode(data))
+        assert pool.streams_with_tables(small_profile) == [list(r) for r in split(2 * small_profile.layers, 2)]
+
+
 def test_decode_into_writes_the_chunk_where_the_buffer_holds_it_and_nothing_else(small_profile):
     """The workers decode straight into a token range of a shared-memory [L, 2, T, H, D]
     buffer (the fetch buffer): the same values as codec.decode, in the buffer's dtype, and
