@@ -50,9 +50,9 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("tests/system/ holds system tests only; these use no daemon process, model, "
                                 "server, namespace or subprocess (move them to their room's folder, or mark "
                                 "what they use):\n  " + "\n  ".join(unmarked))
-    # Files holding system tests run first (their order within a file kept): with pytest-xdist's
-    # workers taking a file at a time (`make test`), the long files start early and the short
-    # ones fill in at the end, so no worker finishes minutes before the other.
+    # Files holding system tests go first (their order within a file kept). pytest-xdist (`make
+    # test`) hands out the files with the most tests first and keeps this order among files with
+    # as many tests, so a long system file starts before short pure files with the same count.
     slow = {item.path for item in items if item.get_closest_marker("system") is not None}
     items.sort(key=lambda item: item.path not in slow)
 
