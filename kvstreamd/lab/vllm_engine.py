@@ -25,12 +25,12 @@ NEW_TOKENS = 8
 # 2-core machine reserves none and gives a connected engine's worker both cores against a plain
 # engine's one.
 VLLM_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-# The offline engine (Engine) runs its engine core in the driver's own process, as vLLM's V1 does
+# An Engine made `in_process` runs its engine core in the driver's own process, as vLLM's V1 does
 # with VLLM_ENABLE_V1_MULTIPROCESSING=0: the scheduler's and the worker's connectors then share one
 # process. That saves two processes importing vLLM and torch: an engine built in 9.7 s, not 24 s,
-# on an idle machine (2026-12-07). The OpenAI server (Server) keeps vLLM's default processes, the
-# layout a deployment runs, so the tests cover both.
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# on an idle machine (2026-12-07); the tests' engines are. `kvstreamd bench vllm` times engines as
+# a deployment runs them, in vLLM's default processes, and so does the OpenAI server (Server).
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 SERVER_START_S = 180  # a server builds in 20-40 s on an idle machine; far longer on a loaded one
 
 
@@ -47,10 +47,11 @@ def connector_config(socket: str | Path, **extra) -> dict:
 
 
 class Engine:
-    """One vLLM engine (its model folder, a connector config or None), built when made (about 10 s on an idle machine)."""
+    """One vLLM engine (its model folder, a connector config or None), built when made (20-40 s;
+    about 10 s `in_process`, IN_PROCESS_ENV)."""
 
     def __init__(self, folder: Path, transfer: dict | None, log: Path, env: dict | None = None,
-                 max_model_len: int = 8192):
+                 max_model_len: int = 8192, in_process: bool = False):
         python = vllm_python()
         if not python.is_file():
             raise FileNotFoundError(f"no vLLM environment at {python}: `make install` builds it")
@@ -59,8 +60,8 @@ class Engine:
                                       str(max_model_len)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "w"),
                                      text=True, cwd=self.log.parent,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), **VLLM_ENV, **ENGINE_ENV,
-                                          **(env or {})})
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), **VLLM_ENV,
+                                          **(IN_PROCESS_ENV if in_process else {}), **(env or {})})
         self._read()  # {"ready": true} once the engine is built
 
     def _read(self) -> dict:

@@ -46,10 +46,10 @@ def world(request, lm, tmp_path_factory):
         # The two engines build at once (20-40 s each), the plain one while the daemon starts; the
         # connected one once it answers. Each waits on its engine's "ready" line, not the CPU.
         with ThreadPoolExecutor(2) as pool:
-            building.append(pool.submit(Engine, folder, None, root / "plain.log"))
+            building.append(pool.submit(Engine, folder, None, root / "plain.log", in_process=True))
             daemon.start()
             building.append(pool.submit(Engine, folder, connector_config(daemon.socket, levels=["fp16"]),
-                                        root / "connected.log"))
+                                        root / "connected.log", in_process=True))
         for f in building:
             if isinstance(f.exception(), FileNotFoundError):
                 pytest.fail(str(f.exception()))

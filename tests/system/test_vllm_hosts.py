@@ -51,7 +51,7 @@ def world(lm, tmp_path_factory):
         question = lm.tokenizer.encode(" Question: what is the text above about? Answer:")
         docs = [ids[0:DOC], ids[3000:3000 + DOC]]
         try:
-            a_engine = Engine(folder, connector_config(a.socket), root / "a.log")
+            a_engine = Engine(folder, connector_config(a.socket), root / "a.log", in_process=True)
         except FileNotFoundError as e:
             pytest.fail(str(e))
         with a_engine:
@@ -60,7 +60,7 @@ def world(lm, tmp_path_factory):
             wait_for(lambda: b.client().lookup(lm.model_id, doc + question)["peers"].get("a") == len(doc),
                      timeout=120, what="b to see the chunks a's vLLM put")
         b_engine = Engine(folder, connector_config(b.socket, levels=["fp16"], deadline_ms=FETCH_DEADLINE_MS,
-                                                   save=False), root / "b.log")
+                                                   save=False), root / "b.log", in_process=True)
         yield {"lm": lm, "link": link, "a": a, "b": b, "b_engine": b_engine,
                "prompts": [doc + question for doc in docs], "computed": computed}
     finally:
