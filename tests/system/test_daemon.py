@@ -42,7 +42,10 @@ def check_fetched(f, kv, model_id) -> None:
 
 
 def nodes_for(tmp_path: Path, names: list[str], **extra) -> list[DaemonProcess]:
-    nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": {"chunk_tokens": CHUNK, "workers": 1}, **extra}) for n in names]
+    # no tables built as a worker starts (warm_tables "lazy"): a put or fetch of the real model's
+    # chunks builds SmolLM2's as it codes, and Gemma-3's, which these daemons never code, are not built
+    codec = {"chunk_tokens": CHUNK, "workers": 1, "warm_tables": "lazy"}
+    nodes = [DaemonProcess(n, tmp_path / n, extra={"codec": codec, **extra}) for n in names]
     for n in nodes:
         n.peers = [m.addr for m in nodes if m is not n]
     return nodes
