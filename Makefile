@@ -51,8 +51,7 @@ $(VLLM_STAMP): pyproject.toml
 # Two pytest-xdist workers, a file each at a time (module fixtures stay whole): on two cores the suite
 # leaves one core idle much of the time when run alone (daemons starting, shaped links, servers).
 # (xdist hands out the files with the most tests first, which mixes the long system files in with
-# the many short ones: sending the system files first instead took 16:36, not 15:35, as two heavy
-# files then ran side by side.)
+# the many short ones; sending the system files first ran two heavy files side by side, slower.)
 JOBS ?= 2
 XDIST := -n $(JOBS) --dist loadfile
 test: $(STAMP) $(VLLM_STAMP)
