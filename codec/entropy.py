@@ -51,22 +51,46 @@ def component_probs(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray,
 
     grid/cdf: the pooled CDF of value/sigma for this block, on an increasing grid.
     """
+    halves, probs, offsets = block_probs(sigma, step, grid, cdf)
+    return halves, [probs[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def block_probs(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray,
+                cdf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """component_probs for a whole block at once: (halves [C], every distribution back to back
+    (float64), offsets [C + 1]: component c's is probs[offsets[c]:offsets[c + 1]]).
+
+    Component c's distribution integrates the CDF over its bins, edges (i - M - 0.5) * ratio for
+    i = 0..2M + 1: the mass between neighbouring edges, both tails in the escape, a floor under
+    every symbol, normalised. Every step is elementwise except each component's own sum, which
+    is taken over its own slice, so a distribution is bit for bit what it is computed alone
+    (entropy tables must be the same integers in every process and version that codes a chunk).
+    """
     sigma = np.maximum(np.asarray(sigma, dtype=np.float64), 1e-12)
     ratio = np.broadcast_to(np.asarray(step, dtype=np.float64), sigma.shape) / sigma
     tails = np.interp(-grid, grid, cdf) + (1.0 - cdf)  # mass beyond |u| for u on the grid
     inside = grid[(grid >= 0) & (tails <= TAIL_MASS)]
     extent = float(inside[0]) if inside.size else float(grid[-1])
     halves = np.clip(np.ceil(extent / ratio), 1, MAX_HALF_ALPHABET).astype(np.int64)
-    dists = []
-    for r, m in zip(ratio, halves):
-        edges = (np.arange(-m, m + 2, dtype=np.float64) - 0.5) * r
-        f = np.interp(edges, grid, cdf, left=0.0, right=1.0)
-        probs = np.empty(2 * m + 2, dtype=np.float64)
-        probs[:-1] = np.diff(f)
-        probs[-1] = f[0] + (1.0 - f[-1])  # both tails -> escape
-        probs = np.maximum(probs, 0.0) + PROB_FLOOR
-        dists.append(probs / probs.sum())
-    return halves, dists
+    sizes = 2 * halves + 2
+    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    first, last = offsets[:-1], offsets[1:] - 1
+    index = np.arange(offsets[-1], dtype=np.int64) - np.repeat(first + halves, sizes)  # -M..M+1 in each
+    f = np.interp((index.astype(np.float64) - 0.5) * np.repeat(ratio, sizes), grid, cdf, left=0.0, right=1.0)
+    probs = np.empty_like(f)
+    probs[:-1] = np.diff(f)
+    probs[last] = f[first] + (1.0 - f[last])  # both tails -> escape
+    probs = np.maximum(probs, 0.0) + PROB_FLOOR
+    return halves, per_slice_normalised(probs, offsets), offsets
+
+
+def per_slice_normalised(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """values with each slice offsets[c]:offsets[c + 1] divided by its own sum (the sum NumPy
+    gives that slice alone: a sum over padded rows may round differently)."""
+    add = np.add.reduce
+    sums = np.array([add(values[a:b]) for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+    return values / np.repeat(sums, np.diff(offsets))
 
 
 def build_models(sigma: np.ndarray, step: np.ndarray, grid: np.ndarray, cdf: np.ndarray) -> ComponentModels:

@@ -25,7 +25,7 @@ import safetensors.numpy
 import torch
 
 from . import anchor, pca, quantize, rope
-from .entropy import ComponentModels, build_models, component_probs
+from .entropy import ComponentModels, block_probs, build_models
 from .rans import RansModels
 from .errors import CodecError
 from .layout import Layout
@@ -217,8 +217,8 @@ class Profile:
             return owner.rans_models(layer, kv, step)
         key = ("rans", layer, kv, float(step))
         if key not in self._models:
-            halves, dists = component_probs(*self._model_inputs("pca", layer, kv, step))
-            self._models[key] = RansModels.build(dists, halves)
+            halves, probs, offsets = block_probs(*self._model_inputs("pca", layer, kv, step))
+            self._models[key] = RansModels.from_block(probs, offsets, halves)
         return self._models[key]
 
     def _model_inputs(self, kind: str, layer: int, kv: int, step: float):

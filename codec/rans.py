@@ -55,29 +55,67 @@ SOURCES = (HERE / "lane_rans.h", HERE / "lane_rans.c")
 
 def quantize_probs(probs: np.ndarray) -> np.ndarray:
     """Probabilities [A] (A >= 2) -> cumulative table uint32 [A + 1] with cum[A] = 2^16 and
-    every symbol at least 1. Deterministic integer rounding: 1 + floor(p * (2^16 - A)), the
-    remainder to the largest fractional parts (ties to the lower symbol)."""
+    every symbol at least 1 (quantize_block's rule for one distribution)."""
     p = np.asarray(probs, dtype=np.float64)
-    a = p.size
-    if a < 2 or a > TOTAL // 2:
-        raise ValueError(f"alphabet of {a} symbols cannot be coded with {PROB_BITS}-bit probabilities")
-    p = p / p.sum()
-    scaled = p * (TOTAL - a)
+    cum, _ = quantize_block(p, np.array([0, p.size]))
+    return cum
+
+
+def quantize_block(probs: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distributions back to back (distribution c is probs[offsets[c]:offsets[c + 1]], A_c >= 2
+    symbols) -> (their cumulative tables uint32 back to back, each A_c + 1 long from 0 to 2^16,
+    and where each starts [C]). Every symbol gets at least 1: deterministic integer rounding
+    1 + floor(p * (2^16 - A)) of the renormalised p, the remainder to the largest fractional
+    parts (ties to the lower symbol). Integer arithmetic across the block, and each
+    distribution's float sum taken over its own slice, so a table is the same integers as the
+    distribution's alone."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    sizes = np.diff(offsets)
+    if sizes.size and (sizes.min() < 2 or sizes.max() > TOTAL // 2):
+        raise ValueError(f"alphabet of {int(sizes.min() if sizes.min() < 2 else sizes.max())} symbols cannot be "
+                         f"coded with {PROB_BITS}-bit probabilities")
+    first = offsets[:-1]
+    scaled = entropy.per_slice_normalised(np.asarray(probs, dtype=np.float64), offsets) * np.repeat(TOTAL - sizes, sizes)
     base = np.floor(scaled)
     freq = base.astype(np.int64) + 1
-    rest = TOTAL - int(freq.sum())
-    if rest > 0:
-        freq[np.argsort(-(scaled - base), kind="stable")[:rest]] += 1
-    cum = np.zeros(a + 1, dtype=np.uint32)
-    np.cumsum(freq, out=cum[1:])
-    assert cum[-1] == TOTAL
-    return cum
+    if sizes.size:
+        rest = TOTAL - np.add.reduceat(freq, first)
+        # each distribution's largest fractions first: a stable sort of each row (padding last)
+        width = int(sizes.max())
+        if sizes.min() == width:  # no padding needed (every alphabet at its bound, or all alike)
+            padded = base - scaled
+        else:
+            padded = np.full(sizes.size * width, np.inf)
+            padded[np.arange(freq.size) + np.repeat(np.arange(sizes.size) * width - first, sizes)] = base - scaled
+        order = np.argsort(padded.reshape(sizes.size, width), axis=1, kind="stable")
+        freq[np.repeat(first, rest) + order[np.arange(width) < rest[:, None]]] += 1
+    # each table: 0, then the running sum of its frequencies
+    cum_off = first + np.arange(sizes.size)
+    running = np.cumsum(freq)
+    cum = np.zeros(freq.size + sizes.size, dtype=np.int64)
+    cum[np.arange(freq.size) + np.repeat(np.arange(1, sizes.size + 1), sizes)] = \
+        running - np.repeat(np.concatenate([[0], running])[first], sizes)
+    assert np.all(cum[cum_off + sizes] == TOTAL)
+    return cum.astype(np.uint32), cum_off.astype(np.uint32)
 
 
 def bucket_table(cum: np.ndarray) -> np.ndarray:
     """uint16 [256]: the symbol holding slot b << 8 for each top byte b."""
-    starts = np.arange(BUCKETS, dtype=np.int64) << BUCKET_SHIFT
-    return (np.searchsorted(cum, starts, side="right") - 1).astype(np.uint16)
+    return bucket_tables(np.asarray(cum), np.array([0]), np.array([np.asarray(cum).size - 1]))[0]
+
+
+def bucket_tables(cum: np.ndarray, cum_off: np.ndarray, alphabet: np.ndarray) -> np.ndarray:
+    """uint16 [C, 256]: for each table of quantize_block's (back to back in cum), the symbol
+    holding slot b << 8 for each top byte b. Symbol i holds the buckets b with
+    cum[i] <= b << 8 < cum[i + 1], ceil(cum[i] / 256) up to ceil(cum[i + 1] / 256): one repeat of
+    each table's symbol indices serves the whole block."""
+    cum_off = np.asarray(cum_off, dtype=np.int64)
+    alphabet = np.asarray(alphabet, dtype=np.int64)
+    up = (cum.astype(np.int64) + (1 << BUCKET_SHIFT) - 1) >> BUCKET_SHIFT
+    symbol = np.arange(up.size - 1) - np.repeat(cum_off, alphabet + 1)[:-1]  # a table's last entry: its size
+    counts = up[1:] - up[:-1]
+    keep = symbol < np.repeat(alphabet, alphabet + 1)[:-1]
+    return np.repeat(symbol[keep], counts[keep]).astype(np.uint16).reshape(cum_off.size, BUCKETS)
 
 
 @dataclass
@@ -96,12 +134,18 @@ class RansModels:
 
     @classmethod
     def build(cls, probs: list[np.ndarray], halves: np.ndarray) -> "RansModels":
-        cums = [quantize_probs(p) for p in probs]
-        sizes = np.array([c.size for c in cums], dtype=np.int64)
-        off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint32)
-        return cls(np.asarray(halves, np.int32), (sizes - 1).astype(np.uint32),
-                   np.concatenate(cums) if cums else np.zeros(0, np.uint32), off,
-                   np.stack([bucket_table(c) for c in cums]) if cums else np.zeros((0, BUCKETS), np.uint16))
+        """From each component's distribution (a list)."""
+        offsets = np.zeros(len(probs) + 1, dtype=np.int64)
+        np.cumsum([p.size for p in probs], out=offsets[1:])
+        flat = np.concatenate(probs).astype(np.float64) if probs else np.zeros(0)
+        return cls.from_block(flat, offsets, halves)
+
+    @classmethod
+    def from_block(cls, probs: np.ndarray, offsets: np.ndarray, halves: np.ndarray) -> "RansModels":
+        """From a block's distributions back to back (entropy.block_probs's)."""
+        cum, cum_off = quantize_block(probs, offsets)
+        alphabet = np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.uint32)
+        return cls(np.asarray(halves, np.int32), alphabet, cum, cum_off, bucket_tables(cum, cum_off, alphabet))
 
 
 # -- the C library -------------------------------------------------------------------------

@@ -188,9 +188,9 @@ class CodecPool:
         rate control may give a chunk of `profile` (codec.tuning.rate.grid_scales; nothing for a profile
         not tuned for it), nearest the levels' own scales first, one job a worker at a time. A
         chunk at a scale its worker has not coded yet builds those tables in the middle of a
-        fetch (0.36 s of one core for SmolLM2's 60 streams). It yields to coding: a scale's job
-        starts once the workers have coded nothing for quiet.QUIET_S (34 scales of SmolLM2 are
-        12.5 s of one worker). Called as a put with costs begins (kvstreamd.coder) and at the first
+        fetch (0.07 s of one core for SmolLM2's 60 streams: `kvstreamd bench tables`). It
+        yields to coding: a scale's job starts once the workers have coded nothing for
+        quiet.QUIET_S (35 scales of SmolLM2 are 2.4 s of one worker). Called as a put with costs begins (kvstreamd.coder) and at the first
         chunk decoded at a scale of its own (warm_for_chunk): a daemon that never codes or decodes
         per-chunk scales (a vLLM connector's chunks) never spends the CPU; once per profile."""
         with self._grid_lock:

@@ -200,6 +200,18 @@ def _bench_scale(args: argparse.Namespace) -> int:
     return 0 if report["pass"] else 1
 
 
+def _bench_tables(args: argparse.Namespace) -> int:
+    from . import tables as bench
+
+    missing = [p for p in args.profiles or [] if not Path(p).is_file()]
+    if missing:
+        print(f"kvstreamd bench tables: no profile file {missing[0]}", file=sys.stderr)
+        return 2
+    report = bench.run([Path(p) for p in args.profiles or []], repeats=args.repeats, json_path=args.json)
+    _report(bench.table(report), args.json)
+    return 0
+
+
 def profile_option(sp: argparse.ArgumentParser) -> None:
     """--profile, for a command that codes the model's KV (itself, or in the daemons it starts,
     as their [codec] profile): codec.tuning.registry's precedence."""
@@ -344,6 +356,14 @@ def add(sub, model_option: Callable[[argparse.ArgumentParser], None]) -> None:
     bg.add_argument("--json", default="bench-out/gpu.json")
     bg.add_argument("--quiet", action="store_true", help="no progress bars")
     bg.set_defaults(func=_bench_gpu)
+
+    bb = bsub.add_parser("tables", help="CPU a codec worker spends building entropy tables: at start, per "
+                                        "step scale, for rate control's whole grid")
+    bb.add_argument("--profiles", nargs="+", metavar="PATH", default=None,
+                    help="profile files (default: the shipped ones)")
+    bb.add_argument("--repeats", type=int, default=3, help="fresh loads measured (the median is reported)")
+    bb.add_argument("--json", default="bench-out/tables.json")
+    bb.set_defaults(func=_bench_tables)
 
     bl = bsub.add_parser("scale", help="100K- and 32K-token synthetic contexts put on one daemon and fetched by "
                                        "another: seconds, bytes, peak memory, seconds per token")

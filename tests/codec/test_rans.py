@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from codec import rans
+import codec
+from codec import entropy, rans
 from codec.errors import CodecError
 from tests.fixtures import REPO
 
@@ -59,6 +60,76 @@ def test_quantized_models_are_exact_and_keep_every_symbol():
         assert np.all(cum[b] <= starts) and np.all(starts < cum[b.astype(np.int64) + 1])
     with pytest.raises(ValueError):
         rans.quantize_probs(np.ones(1))
+
+
+# -- the tables, one component at a time: the rule as it reads, to hold the block builders to it --
+def _one_probs(r: float, m: int, grid, cdf) -> np.ndarray:
+    edges = (np.arange(-m, m + 2, dtype=np.float64) - 0.5) * r
+    f = np.interp(edges, grid, cdf, left=0.0, right=1.0)
+    probs = np.empty(2 * m + 2, dtype=np.float64)
+    probs[:-1] = np.diff(f)
+    probs[-1] = f[0] + (1.0 - f[-1])
+    probs = np.maximum(probs, 0.0) + entropy.PROB_FLOOR
+    return probs / probs.sum()
+
+
+def _one_cum(probs: np.ndarray) -> np.ndarray:
+    a = probs.size
+    p = probs / probs.sum()
+    scaled = p * (rans.TOTAL - a)
+    base = np.floor(scaled)
+    freq = base.astype(np.int64) + 1
+    rest = rans.TOTAL - int(freq.sum())
+    if rest > 0:
+        freq[np.argsort(-(scaled - base), kind="stable")[:rest]] += 1
+    return np.concatenate([[0], np.cumsum(freq)]).astype(np.uint32)
+
+
+def _one_bucket(cum: np.ndarray) -> np.ndarray:
+    return (np.searchsorted(cum, np.arange(rans.BUCKETS) << rans.BUCKET_SHIFT, side="right") - 1).astype(np.uint16)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_a_blocks_tables_are_bit_for_bit_each_components_own(name):
+    """The tables of a (layer, K/V) block, built for the whole block at once (the profile's
+    rans_models), are the same integers as each component's built alone by the rule as it
+    reads: a chunk coded by one build decodes with the other's tables, so stored chunks and
+    peers of other versions keep decoding. Steps from far finer than any level to coarser."""
+    prof = codec.Profile.load(REPO / "codec" / "profiles" / f"{name}.kvprofile")
+    layers = prof.tensors["pca_sigma"].shape[0]
+    for layer in sorted({0, 1, layers // 2, layers - 1}):
+        for kv in (0, 1):
+            for step in (0.002, 0.07, 0.4, 1.5092, 2.2516, 4.5364, 13.0):
+                sigma, steps, grid, cdf = prof._model_inputs("pca", layer, kv, step)
+                halves, probs, offsets = entropy.block_probs(sigma, steps, grid, cdf)
+                models = prof.rans_models(layer, kv, step)
+                ratio = np.asarray(steps, np.float64) / np.maximum(np.asarray(sigma, np.float64), 1e-12)
+                assert np.array_equal(models.half, halves)
+                for c, (r, m) in enumerate(zip(ratio, halves)):
+                    one = _one_probs(r, int(m), grid, cdf)
+                    assert np.array_equal(probs[offsets[c]:offsets[c + 1]], one), (layer, kv, step, c)
+                    cum = _one_cum(one)
+                    at = int(models.cum_off[c])
+                    assert models.alphabet[c] == one.size
+                    assert np.array_equal(models.cum[at:at + one.size + 1], cum), (layer, kv, step, c)
+                    assert np.array_equal(models.bucket[c], _one_bucket(cum)), (layer, kv, step, c)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 12), equal=st.booleans())
+def test_quantize_block_is_each_distributions_own_table(seed, n, equal):
+    """Mixed alphabet sizes (and all alike: the unpadded path), ties among the fractions
+    included (repeated probabilities)."""
+    rng = np.random.default_rng(seed)
+    sizes = np.full(n, int(rng.integers(2, 300))) if equal else rng.integers(2, 300, n)
+    dists = [np.round(rng.dirichlet(np.full(a, 0.3)), int(rng.integers(2, 9))) + 1e-9 for a in sizes]
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    cum, cum_off = rans.quantize_block(np.concatenate(dists), offsets)
+    for c, p in enumerate(dists):
+        want = _one_cum(p)
+        assert np.array_equal(cum[cum_off[c]:cum_off[c] + p.size + 1], want)
+    buckets = rans.bucket_tables(cum, cum_off, sizes)
+    assert all(np.array_equal(buckets[c], _one_bucket(_one_cum(p))) for c, p in enumerate(dists))
 
 
 @pytest.mark.parametrize("seed,rows,per_lane,max_alphabet", [
