@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,39 +246,67 @@ class Profile:
     @classmethod
     def from_bytes(cls, data: bytes | mmap.mmap, origin: str = "<bytes>") -> "Profile":
         """A profile over `data` (a file's bytes, or a private mapping of it): its tensors are
-        views of data, not copies."""
+        views of data, not copies. CodecError, naming `origin`, for anything that is not a whole,
+        finite profile: a header over HEADER_MAX, numbers JSON cannot hold as finite floats, a
+        nesting too deep to parse, NaN or infinite statistics."""
         if isinstance(data, bytes):
             data = bytearray(data)  # writable, as the arrays of a fitted profile are
         try:
             tensors, meta = _views(data)
-            meta = json.loads(meta["profile"])
+            meta = _strict_json(meta["profile"])
             if not isinstance(meta, dict):
                 raise ValueError("its metadata is not a JSON object")
-        except (ValueError, KeyError, TypeError) as e:
-            raise CodecError(f"{origin}: not a readable profile file ({e})") from None
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
+            raise CodecError(f"{origin}: not a readable profile file ({type(e).__name__}: {e})") from None
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
             raise CodecError(f"{origin}: profile format {meta.get('format')!r} v{meta.get('version')} "
                              f"is not {FORMAT!r} v{FORMAT_VERSION}")
         missing = [k for k in REQUIRED_TENSORS if k not in tensors]
         if missing:
             raise CodecError(f"{origin}: profile lacks tensors {missing}")
+        bad = [k for k, t in sorted(tensors.items()) if t.dtype.kind == "f" and not np.isfinite(t).all()]
+        if bad:
+            raise CodecError(f"{origin}: profile tensors {bad} hold NaN or infinite values")
         return cls(meta, tensors)
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         """The profile in `path`, its tensors mapped from the file: the daemon and each of its
         codec workers load the same profile, and mapped they share its pages (a Llama-3-8B
-        shape's PCA bases are 134 MB) where each would otherwise hold a copy."""
+        shape's PCA bases are 134 MB) where each would otherwise hold a copy. A path that is
+        not a regular file (a FIFO, a device, a folder) is refused before it is read."""
         path = Path(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open does not wait
         try:
-            with open(path, "rb") as f:
-                # copy-on-write: pages stay the file's (shared) unless a process writes one
-                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except ValueError:  # an empty file cannot be mapped
-            data = b""
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CodecError(f"{path}: not a regular file")
+            # copy-on-write: pages stay the file's (shared) unless a process writes one
+            data = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if st.st_size else b""
+        finally:
+            os.close(fd)
         prof = cls.from_bytes(data, str(path))
         prof.path = path
         return prof
+
+
+HEADER_MAX = 4 << 20  # a profile file's JSON header, at most (the shipped ones are ~2 KB)
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"the number {text[:40]} is not finite")
+    return x
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a profile holds")
+
+
+def _strict_json(text: str | bytes):
+    """JSON whose numbers are all finite (Python's json takes NaN, Infinity and 1e999)."""
+    return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
 
 
 # The safetensors container (what Profile.to_bytes writes, through the safetensors library):
@@ -291,9 +322,11 @@ def _views(data) -> tuple[dict[str, np.ndarray], dict]:
     if len(data) < 8:
         raise ValueError("shorter than a safetensors header")
     n = int.from_bytes(data[:8], "little")
+    if n > HEADER_MAX:
+        raise ValueError(f"a header of {n} bytes (at most {HEADER_MAX} are read)")
     if n > len(data) - 8:
         raise ValueError(f"header of {n} bytes in a {len(data)}-byte file")
-    header = json.loads(bytes(data[8:8 + n]))
+    header = _strict_json(bytes(data[8:8 + n]))
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}

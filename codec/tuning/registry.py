@@ -206,6 +206,8 @@ def _load(path: Path, folder: Folder, encodes: bool, stamp: tuple[int, int]) -> 
         error = str(e)
     except OSError as e:
         error = f"{path}: {e.strerror or e}"
+    except Exception as e:  # noqa: BLE001 -- whatever a file makes the loader raise, it is one file skipped
+        error = f"{path}: {type(e).__name__}: {e}"
     else:
         _profiles.setdefault(prof.id, prof)
         return _File(folder, encodes, stamp, prof.id)

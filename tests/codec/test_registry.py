@@ -6,11 +6,13 @@ The registry is the process's: each test codes a model id of its own, so what on
 the registry chooses nothing for another."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,3 +149,51 @@ def test_a_retired_profile_in_the_user_folder_only_decodes(user_folder, small_pr
     assert codec.decode(data).shape[2] == 30  # found by the id the chunk names
     with pytest.raises(codec.CodecError, match="no codec profile for model"):
         registry.for_model(model)
+
+
+# -- hostile files: each one file skipped, with one warning naming it, and nothing read past a bound --
+
+def _container(header: bytes, length: int | None = None) -> bytes:
+    """A safetensors container: u64 header length (`length`, else the header's own), the header."""
+    return (len(header) if length is None else length).to_bytes(8, "little") + header
+
+
+def hostile_files(folder: Path, small_profile: profiles.Profile, model_id: str) -> dict[str, str]:
+    """Files a careless or hostile hand may leave in a profile folder: {name: what its warning says}."""
+    (folder / "overflow.kvprofile").write_bytes(_container(
+        b'{"pca_mean": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 4]}}'))
+    (folder / "deep.kvprofile").write_bytes(_container(b"[" * 100_000 + b"]" * 100_000))
+    os.mkfifo(folder / "fifo.kvprofile")
+    with open(folder / "huge.kvprofile", "wb") as f:  # a 192 MiB header, sparse: refused by its length
+        f.write((192 << 20).to_bytes(8, "little"))
+        f.truncate(8 + (192 << 20))
+    tensors = {k: np.array(v) for k, v in small_profile.tensors.items()}
+    tensors["pca_sigma"].flat[3] = np.nan
+    profiles.Profile(dict(small_profile.meta, model_id=model_id, source="nan"), tensors).save(folder / "nan.kvprofile")
+    later = os.stat(folder / "nan.kvprofile").st_mtime_ns + 10**9
+    os.utime(folder / "nan.kvprofile", ns=(later, later))  # the newest of its model's
+    return {"overflow.kvprofile": "the number 1e999 is not finite", "deep.kvprofile": "RecursionError",
+            "fifo.kvprofile": "not a regular file", "huge.kvprofile": f"a header of {192 << 20} bytes",
+            "nan.kvprofile": "profile tensors ['pca_sigma'] hold NaN or infinite values"}
+
+
+def test_hostile_files_in_the_user_folder_are_each_one_warning_and_the_model_codes_with_the_good_one(
+        user_folder, small_profile, caplog):
+    model = _model()
+    good = _profile_of(small_profile, model)
+    good.save(user_folder / "good.kvprofile")
+    why = hostile_files(user_folder, small_profile, model)
+    with caplog.at_level(logging.WARNING, logger="codec.tuning.registry"):
+        assert registry.for_model(model).id == good.id
+    warned = [r.getMessage() for r in caplog.records if r.name == "codec.tuning.registry"]
+    assert len(warned) == len(why), warned
+    for name, says in why.items():
+        [w] = [w for w in warned if w.startswith(f"profile file skipped: {user_folder / name}: ")]
+        assert says in w and "\n" not in w, w
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_profile_whose_metadata_holds_a_number_that_is_not_finite_does_not_load(small_profile, value):
+    data = profiles.Profile(dict(small_profile.meta, level_scales={"high": value}), dict(small_profile.tensors)).to_bytes()
+    with pytest.raises(codec.CodecError, match=r"^x: not a readable profile file \(ValueError: -?(Infinity|NaN) is not a number a profile holds\)$"):
+        profiles.Profile.from_bytes(data, "x")

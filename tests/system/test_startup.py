@@ -4,11 +4,18 @@ that cannot be) or 1 for a host that cannot run it now (no processes or file des
 the codec workers): systemd's journal shows the one line."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from codec.profile import Profile
+from codec.tuning import registry
+from kvstreamd.lab.daemons import DaemonProcess
+from tests.codec.test_registry import hostile_files
 
 pytestmark = pytest.mark.system  # subprocesses of the CLI, every test
 
@@ -68,3 +75,39 @@ def test_codec_workers_that_cannot_start_stop_start_up_in_one_line_with_exit_1(t
     """24 file descriptors let the daemon open its store, not start two workers (each needs pipes)."""
     out = start_up(tmp_path, '[peer]\nlisten = "127.0.0.1:0"\n[codec]\nworkers = 2\n', prefix=("prlimit", "--nofile=24"))
     assert_one_line_refusal(out, "[codec] workers", "could not start", "Too many open files", code=1)
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda p: os.mkfifo(p), "not a regular file"),
+    (lambda p: p.write_bytes((200_000).to_bytes(8, "little") + b"[" * 100_000 + b"]" * 100_000), "RecursionError"),
+])
+def test_a_codec_profile_that_is_a_fifo_or_too_deep_stops_start_up_in_one_line_with_exit_2(tmp_path, make, why):
+    make(tmp_path / "bad.kvprofile")
+    out = start_up(tmp_path, f'[peer]\nlisten = "127.0.0.1:0"\n[codec]\nprofile = "{tmp_path}/bad.kvprofile"\n')
+    assert_one_line_refusal(out, "[codec] profile", "bad.kvprofile", why)
+
+
+def test_hostile_files_in_the_profile_folder_are_skipped_one_warning_each_and_the_daemon_codes(tmp_path, monkeypatch):
+    """A FIFO, a 100,000-deep header, a 1e999 shape, a 192 MiB header and a NaN copy of the model's
+    own profile, newest, in the user profile folder: the daemon starts, each is named in a warning
+    (no traceback), and its chunks are coded with the shipped profile."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    shipped = Profile.load(registry.SHIPPED_DIR / "smollm2-135m-instruct.kvprofile")
+    why = hostile_files(folder, shipped, shipped.model_id)
+    monkeypatch.setenv(registry.PROFILE_DIR_ENV, str(folder))
+    d = DaemonProcess("a", tmp_path / "a", extra={"codec": {"workers": 1, "warm_tables": "lazy", "levels": ["fast"]}})
+    try:
+        d.start(wait=60)
+        kv = torch.randn(shipped.layers, 2, 256, shipped.heads, shipped.head_dim).to(torch.float16)
+        tokens = list(range(1000, 1256))
+        d.client().put(shipped.model_id, tokens, kv)
+        assert d.client().lookup(shipped.model_id, tokens)["local_tokens"] == 256
+        assert d.client().health()["status"] == "ok"
+    finally:
+        d.stop()
+    log = d.log()
+    assert "Traceback" not in log, log[-3000:]
+    for name, says in why.items():
+        lines = [ln for ln in log.splitlines() if f"profile file skipped: {folder / name}: " in ln]
+        assert lines and all(says in ln for ln in lines), (name, lines or log[-3000:])
