@@ -198,11 +198,15 @@ def unpack(data: bytes | bytearray | memoryview, check_crc: bool = True) -> Head
         if len(data) < pos + 4 + clen + 8 + 4 * n_sub + 4:
             raise CodecError("bitstream truncated inside its token classes")
         rows = tokens - min(sink_tokens, tokens)
-        try:
-            raw = zlib.decompress(bytes(data[pos + 4:pos + 4 + clen]), bufsize=layers * rows + 1)
+        inflate = zlib.decompressobj()
+        try:  # never more than the classes can be, plus one byte to tell a longer stream: no zlib bomb
+            raw = inflate.decompress(bytes(data[pos + 4:pos + 4 + clen]), layers * rows + 1)
         except zlib.error as e:
             raise CodecError(f"bitstream's token classes are damaged: {e}") from None
-        if len(raw) != layers * rows:
+        if len(raw) > layers * rows:
+            raise CodecError(f"bitstream's token classes inflate past the {layers * rows} bytes of "
+                             f"{layers} x {rows} tokens")
+        if len(raw) != layers * rows or not inflate.eof:
             raise CodecError(f"bitstream's token classes hold {len(raw)} bytes for {layers} x {rows} tokens")
         token_classes = np.frombuffer(raw, np.uint8).reshape(layers, rows)
         if token_classes.size and int(token_classes.max()) > TOP_CLASS:

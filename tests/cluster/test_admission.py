@@ -15,11 +15,12 @@ import struct
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import codec
-from codec import baselines
+from codec import baselines, bitstream as bs
 from tests.fixtures import SMALL, synthetic_daemon, system_fixture
 from kvstreamd.cluster.admission import Refused, Wanted, admit
 from kvstreamd.client import AsyncClient
@@ -378,3 +379,59 @@ def test_a_zstd_frame_declaring_more_than_its_shape_is_refused_and_does_not_deco
     assert refusal(payload, "zstd-fp16", wanted(tokens, 0, small_profile, ["zstd-fp16"])).reason == "wrong_shape"
     with pytest.raises(codec.CodecError, match="declares 4194304 bytes"):
         baselines.SCHEMES["zstd-fp16"].decode(payload)
+
+
+def zeros_zlib(nbytes: int) -> bytes:
+    """A zlib stream of `nbytes` zero bytes (~1/1000 of that), made in 1 MiB steps."""
+    out = zlib.compressobj(9)
+    block = bytes(MiB)
+    return b"".join(out.compress(block) for _ in range(nbytes // MiB)) + out.flush()
+
+
+def with_bombed_classes(chunk: bytes, bomb: bytes) -> bytes:
+    """A chunk coded with token classes, its zlib'd classes (u32 length | stream) replaced by `bomb`
+    and its crc made whole again: a valid chunk but for what its classes inflate to."""
+    h = bs.unpack(chunk)
+    packed = zlib.compress(np.ascontiguousarray(h.token_classes, np.uint8).tobytes(), 6)
+    old = struct.pack("<I", len(packed)) + packed
+    assert chunk.count(old) == 1
+    body = chunk[:-4].replace(old, struct.pack("<I", len(bomb)) + bomb)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+async def healthz_worst(d: DaemonProcess, stop: asyncio.Event) -> float:
+    """The slowest /healthz answer, asked every 20 ms until `stop`."""
+    worst = 0.0
+    async with AsyncClient(d.socket, timeout=30) as c:
+        while not stop.is_set():
+            t = asyncio.get_running_loop().time()
+            await c.health()
+            worst = max(worst, asyncio.get_running_loop().time() - t)
+            await asyncio.sleep(0.02)
+    return worst
+
+
+async def test_token_classes_that_inflate_past_their_size_are_refused_before_they_are_inflated(daemon, small_profile):
+    """Issue 49, item 2: a `balanced` chunk with per-token steps whose 0.5 MiB zlib stream of zeros
+    would inflate to 512 MiB; the classes of its 256 tokens are ~1 KB. The daemon inflates no more
+    than that, refuses the chunk, and its loop answers /healthz throughout."""
+    tokens, kv = context(256, seed=49, first=7000)
+    stepped = codec.Profile(dict(small_profile.meta, token_steps={"power": 0.25}), dict(small_profile.tensors))
+    classes = np.random.default_rng(49).integers(0, 3, (kv.shape[0], len(tokens))).astype(np.uint8)
+    chunk = codec.encode(kv.contiguous(), "balanced", stepped, start=0, token_classes=classes)
+    bomb = zeros_zlib(512 * MiB)
+    payload = with_bombed_classes(chunk, bomb)
+    assert len(payload) < 2 * MiB and bs.TOKEN_STEPS & bs.unpack(chunk).transforms
+    conn = await join(daemon, "bomber-classes", keys_of(tokens), send_each(payload, "balanced"))
+    stop = asyncio.Event()
+    pinger = asyncio.create_task(healthz_worst(daemon, stop))
+    try:
+        evs, end, grown = await process_fetch(daemon, tokens, "bomber-classes", levels=["balanced"])
+    finally:
+        stop.set()
+        conn.close()
+    worst = await pinger
+    assert [ev.kind for ev in evs] == ["text"]
+    assert any("token classes inflate past the" in e for e in end.errors), end.errors
+    assert grown < BOUND, f"the daemon's peak RSS grew {grown / MiB:.0f} MiB for a {len(payload)}-byte chunk"
+    assert worst < 0.5, f"/healthz took {worst:.2f} s while the chunk was judged"
