@@ -52,8 +52,16 @@ def _profile_retune(args: argparse.Namespace) -> int:
     from codec import Profile
     from codec.tuning import registry, tuned
 
+    untuned = [t for t in args.texts or () if t not in calibrate.TUNING_TEXTS]
+    if untuned:
+        raise CommandError(f"--texts {untuned[0]}: not a kind of text tuned on (those are "
+                           f"{', '.join(calibrate.TUNING_TEXTS)}; the others are held out from tuning)")
+    try:
+        models.resolve(args.model)
+    except (ValueError, OSError) as e:
+        raise CommandError(f"--model: {e}") from None
     lm = models.load(args.model)
-    prof = Profile.load(args.profile) if args.profile else registry.for_model(lm.model_id)
+    prof = registry.for_model(lm.model_id, args.profile)  # a --profile that does not load, or is another model's: refused
     prof = Profile(dict(prof.meta), dict(prof.tensors))  # a new profile, its id taken afresh
     tuning = calibrate.tuning_cases(lm, texts=args.texts or calibrate.TUNING_TEXTS)
     costs = calibrate.chunk_costs(lm, prof, tuning)
@@ -337,17 +345,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class CommandError(ValueError):
+    """A command's options that cannot work: one line naming the option, exit status 2."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     try:
         return args.func(args)
     except Exception as e:
-        # codec.errors.ProfileError (a --profile that does not load or is another model's, or none
-        # for the model): one line, exit status 2. Looked up, not imported: importing the codec
-        # loads torch, which a command that codes nothing never needs.
+        # CommandError, or codec.errors.ProfileError (a --profile that does not load or is another
+        # model's, or none for the model): one line, exit status 2. Looked up, not imported:
+        # importing the codec loads torch, which a command that codes nothing never needs.
         errors = sys.modules.get("codec.errors")
-        if errors is None or not isinstance(e, errors.ProfileError):
+        if not isinstance(e, CommandError) and (errors is None or not isinstance(e, errors.ProfileError)):
             raise
         command = " ".join(itertools.takewhile(lambda word: not word.startswith("-"), argv))
         print(f"kvstreamd {command}: {e}", file=sys.stderr)
