@@ -6,7 +6,6 @@ The registry is the process's: each test codes a model id of its own, so what on
 the registry chooses nothing for another."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import uuid
