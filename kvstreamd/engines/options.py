@@ -3,9 +3,11 @@ key checked here, with a clear error at the engine's start rather than a miss on
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from .. import requests
 from ..limits import MODEL_META, speedup_deadline_ms
 from ..requests import FetchRequest
 
@@ -53,7 +55,12 @@ class ConnectorOptions:
                                    "engine's prefill rate it is a speed-up over")
         if out.get("model_id") is None:
             out["model_id"] = model_id_of(model_folder)
-        return cls(**out)
+        opts = cls(**out)
+        try:  # the daemon's own rules for a fetch's body (kvstreamd.requests), checked once here
+            requests.parse(FetchRequest, requests.to_body(opts.fetch_request([0])))
+        except requests.BadRequest as e:
+            raise OptionsError(f"kv_connector_extra_config: {e} (the daemon would refuse every fetch)") from None
+        return opts
 
     def deadline_for(self, tokens: int) -> int | None:
         """A fetch's deadline, ms, for a prefix of `tokens` tokens (None: the daemon's)."""
@@ -82,12 +89,14 @@ def _check(key: str, value):
             raise OptionsError(f"{bad}: a whole number of milliseconds > 0")
         return value
     if key == "recompute_tokens_per_s":
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
             raise OptionsError(f"{bad}: tokens per second > 0")
         return None if value is None else float(value)
     if key == "speedup":
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 1):
-            raise OptionsError(f"{bad}: a factor > 1")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 1):
+            raise OptionsError(f"{bad}: a finite factor > 1")
         return None if value is None else float(value)
     if key == "levels":
         if value is not None and (not isinstance(value, list) or not value or

@@ -26,9 +26,9 @@ def test_no_keys_but_the_model_id_give_the_defaults():
 
 def test_each_key_takes_its_kind_of_value():
     got = ConnectorOptions.parse({"socket": "/run/k.sock", "model_id": "m:1", "lookup_timeout_ms": 50,
-                                  "deadline_ms": 2000, "levels": ["l1", "text"], "recompute_tokens_per_s": 900,
+                                  "deadline_ms": 2000, "levels": ["high", "fast"], "recompute_tokens_per_s": 900,
                                   "save": False})
-    assert got == ConnectorOptions("/run/k.sock", "m:1", 50, 2000, ("l1", "text"), 900.0, False)
+    assert got == ConnectorOptions("/run/k.sock", "m:1", 50, 2000, ("high", "fast"), 900.0, False)
     assert got.deadline_for(4096) == 2000
 
 
@@ -54,6 +54,8 @@ BAD = [
     ("recompute_tokens_per_s", "fast"),
     ("save", "yes"), ("save", 1), ("save", None),
     ("speedup", 1), ("speedup", 0.5), ("speedup", True), ("speedup", "3x"),
+    ("recompute_tokens_per_s", float("nan")), ("recompute_tokens_per_s", float("inf")),
+    ("speedup", float("nan")), ("speedup", float("inf")),
 ]
 
 
@@ -61,6 +63,26 @@ BAD = [
 def test_a_bad_value_is_an_error_naming_its_key(key, value):
     with pytest.raises(OptionsError, match=f"kv_connector_extra_config: {key}="):
         ConnectorOptions.parse({"model_id": "m:1", key: value})
+
+
+# Values each key's own check takes but the daemon refuses in every fetch's body (issue 49, item 6):
+# refused at the engine's start, by the daemon's own rules (kvstreamd.requests).
+REFUSED = [
+    ({"deadline_ms": 3_600_001}, "field 'deadline_ms' must be 1..3600000"),
+    ({"levels": ["nope"]}, "levels must be a non-empty list of"),
+    ({"levels": ["max", "max"]}, "levels names a level twice"),
+    ({"levels": ["text"]}, "levels must be a non-empty list of"),
+    ({"recompute_tokens_per_s": 0.5}, "field 'recompute_tokens_per_s' must be 1..1000000000"),
+    ({"model_id": "m" * 1000}, "field 'model_id' is 1000 characters; a model id is 1..512"),
+]
+
+
+@pytest.mark.parametrize("extra,why", REFUSED, ids=[next(iter(e)) + "=" + repr(next(iter(e.values())))[:20]
+                                                     for e, _ in REFUSED])
+def test_a_value_the_daemon_would_refuse_in_every_fetch_is_an_error_at_start(extra, why):
+    with pytest.raises(OptionsError) as e:
+        ConnectorOptions.parse({"model_id": "m:1", **extra})
+    assert str(e.value).startswith(f"kv_connector_extra_config: {why}") and "the daemon would refuse" in str(e.value)
 
 
 def test_an_unknown_key_is_an_error_naming_the_known_ones():
