@@ -73,6 +73,7 @@ class FetchJob:
         # (chunk, level, payload) of each whole chunk a peer sent that decoded: kept here as the
         # bitstream it arrived as, so that this node serves it onward (node/fetches.py stores them)
         self.arrived: list[tuple[int, str, bytes]] = []
+        self._texted = False  # a TEXT chunk's event went to the client (text_last: no KV after it)
         self.t0 = options.arrived
         self._levels: dict[int, str] = {}  # chunk -> the level it was filled at (FetchResult.levels, in order)
         self.tally = DecodeTally()  # its coded chunks' decodes on the CPU: one sample of the told rate
@@ -322,6 +323,15 @@ class FetchJob:
         """Chunk `item` into the buffer and its event to the client; returns the seconds copying."""
         busy = 0.0
         s, e = self.plan.bounds[item.i]
+        if item.kind == "kv" and self._texted and self.options.text_last:
+            # whoever sent it (a peer that ignored the FETCH's text_last, a local chunk after an
+            # evicted one), KV after a hole is what a text_last client cannot load: it recomputes it
+            why = f"chunk {item.i} came as KV after a TEXT chunk, and the fetch takes TEXT only after every KV chunk"
+            log.warning("%s: recompute it", why)
+            self.result.errors.append(f"{why}: recompute it")
+            self.metrics.error("kv_after_text")
+            item.kind, item.level, item.error, item.kv, item.on_device = "text", TEXT, why, None, None
+        self._texted = self._texted or item.kind == "text"
         if item.kind == "kv" and not item.filled:
             t = time.perf_counter()
             if item.on_device is not None:  # copied on the fill stream

@@ -435,3 +435,43 @@ async def test_token_classes_that_inflate_past_their_size_are_refused_before_the
     assert any("token classes inflate past the" in e for e in end.errors), end.errors
     assert grown < BOUND, f"the daemon's peak RSS grew {grown / MiB:.0f} MiB for a {len(payload)}-byte chunk"
     assert worst < 0.5, f"/healthz took {worst:.2f} s while the chunk was judged"
+
+
+# -- text_last: no KV after TEXT, whatever a peer sends (issue 49, item 9) ----------------------------
+
+@pytest.mark.parametrize("text_last", [True, False])
+async def test_a_peer_that_ignores_text_last_gets_no_kv_after_text_to_the_client(daemon, small_profile, text_last):
+    """A peer answers chunk 0 as TEXT and chunks 1 and 2 as KV. A text_last fetch (a serving
+    engine that cannot load KV after a hole) gets TEXT for all three; without text_last the
+    TEXT head and then KV is a plan the client takes (it computes the head while the rest lands)."""
+    tokens, kv = context(768, seed=9 + text_last, first=9000 + 1000 * text_last)
+    payloads = encoded(kv, small_profile, "balanced")
+
+    async def text_then_kv(stream, fetch) -> None:
+        await stream.send_text(0, tokens[:256])
+        await stream.acks.get()
+        for i in (1, 2):
+            await stream.send_chunk(i, "balanced", payloads[i])
+            await stream.acks.get()
+        await stream.end()
+
+    name = f"text-first-{int(text_last)}"
+    conn = await join(daemon, name, keys_of(tokens), text_then_kv)
+    try:
+        async with AsyncClient(daemon.socket, timeout=60) as c:
+            await until(f"{daemon.name} never saw the chunks at {name}", lambda: _sees(c, tokens, name))
+            async with await c.fetch(MODEL, tokens, deadline_ms=30_000, levels=["balanced"], text_last=text_last) as f:
+                evs = await events_of(f)
+                got = f.kv[:, :, 256:].clone()
+            errors = await metric(c, "kv_after_text")
+    finally:
+        conn.close()
+    kinds = [ev.kind for ev in evs]
+    if text_last:
+        assert kinds == ["text", "text", "text"], kinds
+        assert sum("came as KV after a TEXT chunk" in e for e in f.end.errors) == 2, f.end.errors
+        assert errors >= 2
+    else:
+        assert kinds == ["text", "kv", "kv"], kinds
+        want = torch.cat([decoded(kv, small_profile, "balanced", s, s + 256) for s in (256, 512)], dim=2)
+        assert torch.equal(got, want.to(got.dtype))
