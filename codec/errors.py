@@ -10,3 +10,8 @@ class CodecError(ValueError):
 class ProfileError(CodecError):
     """No profile to code a model with: none found for it, or a named file that does not load
     or is another model's (codec.tuning.registry.for_model)."""
+
+
+class NoSharedMemory(CodecError):
+    """A codec segment could not be reserved in /dev/shm (it is full): the chunk is not coded or
+    decoded here now; never a wrong tensor, and never a fault on a page that is not there."""

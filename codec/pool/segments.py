@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import NoSharedMemory
+
 
 # Decode output (and a chunk to encode) travels in shared-memory segments that the pool keeps
 # and reuses: a fresh segment costs a page fault and a zeroed page per 4 KiB on first touch (~18 ms for a
@@ -36,7 +38,13 @@ def open_segment(size: int, name: str | None = None) -> tuple[str, mmap.mmap]:
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            # reserved, not only sized: a page of a sized-only segment that /dev/shm cannot back
+            # faults (SIGBUS, the whole process) when it is first written
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise NoSharedMemory(f"no room in /dev/shm for a {size >> 20} MiB codec segment "
+                                     f"({e.strerror or e})") from None
         return name, mmap.mmap(fd, size)
     except BaseException:
         if create:

@@ -12,7 +12,7 @@ import numpy as np
 
 from codec import steps
 from codec.tuning import catalog, rate
-from codec.errors import CodecError
+from codec.errors import CodecError, NoSharedMemory
 from codec.pool.parallel import WorkerLost
 from codec.profile import Profile
 from codec.tuning.rate import ChunkCost
@@ -104,6 +104,8 @@ class Puts:
             out = await self._put(model_id, tokens, seg, prof, start, scales, classes)
         except WorkerLost as e:
             raise RequestError(503, "codec_unavailable", f"encoding failed: {e}") from None
+        except NoSharedMemory as e:  # the chunks coded before it are kept
+            raise RequestError(507, "shm_full", f"encoding failed: {e}") from None
         except ShmError as e:  # the client shrank the segment mid-put; the chunks read before it are kept
             raise RequestError(400, "bad_buffer", str(e)) from None
         finally:
