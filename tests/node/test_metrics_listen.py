@@ -118,3 +118,51 @@ def test_a_bad_metrics_listen_names_the_file_and_key(tmp_path, value, fragment):
     assert msg.startswith(f"{path}: [api] metrics_listen"), msg
     assert fragment in msg, msg
 
+
+
+def _connect_all(host: str, port: int, n: int) -> list[socket.socket]:
+    """n TCP connections begun at once (non-blocking connects): the daemon accepts them in one burst."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex((host, port))
+        socks.append(s)
+    return socks
+
+
+def _still_open(socks: list[socket.socket]) -> int:
+    n = 0
+    for s in socks:
+        try:
+            n += s.recv(1) != b""  # the daemon sends nothing unasked: data here is never expected
+        except BlockingIOError:
+            n += 1
+        except OSError:  # reset, or the connect never completed
+            pass
+    return n
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+async def test_a_burst_of_connections_at_once_is_held_to_the_cap_and_a_scrape_still_gets_in(inprocess, trickle):
+    """Issue 49, item 8: 200 connections begun at once (or 40 clients each sending a byte a second
+    of a request they never finish) leave at most the cap open a second later."""
+    (a,) = await inprocess(["a"], peered=False, api={"metrics_listen": "127.0.0.1:0"})
+    n = 40 if trickle else 200
+    socks = await asyncio.to_thread(_connect_all, *a.metrics_address, n)
+    try:
+        for i in range(3 if trickle else 1):
+            await asyncio.sleep(1.0)
+            if trickle:
+                for s in socks:
+                    try:
+                        s.send(b"GET /metrics"[i:i + 1])
+                    except OSError:
+                        pass
+        left = await asyncio.to_thread(_still_open, socks)
+        assert left <= METRICS_MAX_CONNECTIONS, f"{left} of {n} still open"
+        status, text = await asyncio.wait_for(get(a, "GET", "/metrics"), 2)
+        assert status == 200 and "kvstreamd_store_bytes" in text
+    finally:
+        for s in socks:
+            s.close()
