@@ -142,14 +142,35 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
+# A body larger than this is read into its request in a thread (a put's tokens and chunk_costs
+# may list 2^20 of each: 600,000 costs held the event loop, and every /healthz, for 2-5.6 s). Its
+# numbers are read by Python functions there: json's C parser holds the GIL for a whole body, so
+# in a thread alone it held the loop 0.9 s; a Python call per number lets the loop in (0.2 s).
+LOOP_BODY_BYTES = 64 << 10
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
 async def _body(request: web.Request, kind: type):
     """The request of type `kind` the body is (kvstreamd.requests.parse). A kind whose fields all
     have defaults takes no body at all too."""
     raw = await request.read()
     if not raw and all(f.default is not dataclasses.MISSING for f in dataclasses.fields(kind)):
         return kind()
+    if len(raw) > LOOP_BODY_BYTES:
+        return await asyncio.to_thread(_parsed, raw, kind, {"parse_int": _int, "parse_float": _float})
+    return _parsed(raw, kind, {})
+
+
+def _parsed(raw: bytes, kind: type, numbers: dict):
     try:
-        body = json.loads(raw, parse_constant=_no_constant)  # no NaN, Infinity
+        body = json.loads(raw, parse_constant=_no_constant, **numbers)  # no NaN, Infinity
     except RecursionError:
         raise RequestError(400, "bad_json", "request body is not JSON this daemon reads: nested too deep") from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:

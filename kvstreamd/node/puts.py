@@ -93,7 +93,7 @@ class Puts:
             if missing is not None:
                 raise RequestError(409, "missing_prefix", f"chunk {missing} of the {len(prefix)} before start "
                                                           f"{start} is not held here: put them first")
-        scales = self._scales(prof, req.chunk_costs, len(chunk_bounds(len(tokens), ct)))
+        scales = await asyncio.to_thread(self._scales, prof, req.chunk_costs, len(chunk_bounds(len(tokens), ct)))
         classes = _classes(prof, req.token_classes, len(tokens))
         try:  # read by copy, never mapped: the client may truncate it under us (shm trap 4)
             seg = SegmentReader.open(req.buffer, tuple(shape), req.dtype)

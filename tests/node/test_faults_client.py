@@ -189,3 +189,45 @@ async def test_a_chunk_the_local_store_found_corrupt_is_reported_as_corrupt_not_
             events = [ev async for ev in f]
     assert [ev.kind for ev in events] == ["kv", "text", "kv"]
     assert "corrupt" in events[1].error and "evicted" not in events[1].error, events[1].error
+
+
+PUT_600000_COSTS = """
+import sys
+from kvstreamd.client import Client
+from tests.fixtures import synthetic_kv
+tokens = list(range(40_000, 40_512))
+costs = [[1e-4 * (1 + i % 7), 2e-4] for i in range(600_000)]
+print(Client(sys.argv[1], timeout=120).put(sys.argv[2], tokens, synthetic_kv(512, seed=5).half(), costs=costs)["stored_chunks"])
+"""
+
+
+async def test_a_put_with_600000_chunk_costs_leaves_healthz_answering_throughout(daemon):
+    """Issue 49, item 5: chunk_costs may list up to 2^20 chunks (a context's whole costs, sent with
+    each of its pieces). A 512-token put with 600,000 of them is legal; its body was parsed and
+    checked on the event loop, which held every /healthz for 5.6 s. The put comes from a process
+    of its own, so that only the daemon's time is measured."""
+    import asyncio
+    import sys
+    import time
+
+    from tests.fixtures import REPO
+
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", PUT_600000_COSTS, str(daemon.socket), MODEL,
+                                                cwd=REPO, stdout=asyncio.subprocess.PIPE)
+    worst = 0.0
+    async with AsyncClient(daemon.socket, timeout=30) as c:
+        while proc.returncode is None:
+            t = time.monotonic()
+            assert (await c.health())["status"] == "ok"
+            worst = max(worst, time.monotonic() - t)
+            try:
+                await asyncio.wait_for(proc.wait(), 0.02)
+            except TimeoutError:
+                pass
+        assert (await proc.stdout.read()).strip() == b"2"
+        assert (await c.lookup(MODEL, list(range(40_000, 40_512))))["local_tokens"] == 2 * CHUNK
+    print(f"slowest /healthz during the put: {worst * 1000:.0f} ms")
+    # 1.98-2.02 s with the body parsed on the loop, 0.87-0.91 s by json's C parser in a thread;
+    # 0.18-0.24 s now, on a 2-core machine where the client builds its body beside it (the
+    # issue's floor is 0.1 s: not met by this case yet). The bound leaves room for a loaded CI.
+    assert worst < 1.0, f"/healthz took {worst:.2f} s during the put"
